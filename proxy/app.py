@@ -1,0 +1,85 @@
+"""The ASGI application: a dispatch table over raw ASGI handlers, and the lifespan."""
+from __future__ import annotations
+
+import logging
+
+from proxy import endpoints, inference
+from proxy.asgi import Receive, Scope, Send
+from proxy.config import ProxyConfig
+from proxy.parse import CHAT, COMPLETIONS, EMBEDDINGS
+from proxy.runtime import Runtime
+
+log = logging.getLogger("vllm_proxy")
+
+# The Tokios connector and other clients may use a base URL with or without /v1.
+INFERENCE = {p: p for p in (CHAT, COMPLETIONS, EMBEDDINGS)} | {p[3:]: p for p in (CHAT, COMPLETIONS, EMBEDDINGS)}
+GETS = {
+    "/v1/models": endpoints.list_models,
+    "/models": endpoints.list_models,
+    "/health": endpoints.health,
+    "/ready": endpoints.ready,
+    "/metrics": endpoints.metrics,
+}
+
+
+class ProxyApp:
+    """`ProxyApp(config)` is a complete ASGI app; `runtime` holds the live state."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.runtime = Runtime(config)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        rt = self.runtime
+        endpoint = INFERENCE.get(path)
+        if endpoint is not None:
+            if scope["method"] == "POST":
+                await inference.handle(rt, scope, receive, send, endpoint)
+            else:
+                await endpoints.method_not_allowed(scope, send, b"POST")
+            return
+        handler = GETS.get(path)
+        if handler is None:
+            model_id = _model_id(path)
+            if model_id is None:
+                await endpoints.not_found(scope, send)
+            elif scope["method"] in ("GET", "HEAD"):
+                await endpoints.get_model(rt, scope, receive, send, model_id)
+            else:
+                await endpoints.method_not_allowed(scope, send, b"GET")
+            return
+        if scope["method"] not in ("GET", "HEAD"):
+            await endpoints.method_not_allowed(scope, send, b"GET")
+            return
+        await handler(rt, scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.runtime.start()
+                except Exception as exc:
+                    log.exception("startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.runtime.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def _model_id(path: str) -> str | None:
+    """`/v1/models/{id}` (ids may contain slashes, e.g. meta-llama/Llama-3.1-8B-Instruct)."""
+    for prefix in ("/v1/models/", "/models/"):
+        if path.startswith(prefix) and len(path) > len(prefix):
+            return path[len(prefix):]
+    return None

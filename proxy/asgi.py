@@ -1,0 +1,37 @@
+"""Tiny raw-ASGI helpers shared by every endpoint (no framework on the hot path)."""
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+import orjson
+
+from proxy.errors import ProxyError
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+
+
+async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes, headers: Headers = ()) -> None:
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", content_type), (b"content-length", b"%d" % len(body)), *headers],
+    })
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send: Send, status: int, data: Any, headers: Headers = ()) -> None:
+    await send_bytes(send, status, orjson.dumps(data), b"application/json", headers)
+
+
+async def send_error(send: Send, error: ProxyError, headers: Headers = ()) -> None:
+    await send_bytes(send, error.status, error.body(), b"application/json", [*error.headers, *headers])
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None

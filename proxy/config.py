@@ -1,0 +1,145 @@
+"""The YAML policy schema: typed, strict (unknown keys are errors), with key-path error messages."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Timeouts(Strict):
+    """Upstream timeouts in seconds. First byte is generous: a long prefill is normal."""
+
+    connect: float = Field(5.0, gt=0)
+    first_byte: float = Field(600.0, gt=0)
+    idle: float = Field(300.0, gt=0, description="longest silence between two chunks of a stream")
+
+
+class ServerConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    workers: int = Field(1, ge=1)
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    keep_alive_s: float = Field(75.0, gt=0, description="client keep-alive; outlasts common client pools")
+    upstream_keep_alive_s: float = Field(4.0, gt=0, description="shorter than vLLM's own 5 s keep-alive")
+    timeouts: Timeouts = Timeouts()
+    explain_headers: bool = Field(True, description="x-vllm-proxy-backend / -route response headers")
+
+
+class BackendConfig(Strict):
+    """One vLLM replica. `models`/`adapters` pin what it serves; unset, they are discovered."""
+
+    name: str = Field(min_length=1)
+    url: str
+    models: list[str] | None = None
+    adapters: list[str] | None = None
+    trust_request_mm_kwargs: bool = False
+    api_key: str | None = Field(None, description="sent upstream as Authorization: Bearer (vLLM --api-key)")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
+            raise ValueError("must be an http:// or https:// base URL, e.g. http://127.0.0.1:8000")
+        value = value.rstrip("/")
+        if value.endswith("/v1"):
+            raise ValueError("give the base URL without /v1")
+        return value
+
+
+class DeploymentConfig(Strict):
+    """A public model name clients send, mapped to an upstream model and optional LoRA adapter."""
+
+    name: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    adapter: str | None = None
+
+
+class RoutingConfig(Strict):
+    policy: Literal["round_robin", "least_loaded"] = "least_loaded"
+
+
+class DiscoveryConfig(Strict):
+    """Polling of each backend's /v1/models: health, served models and adapters."""
+
+    interval_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    failures_to_down: int = Field(2, ge=1)
+
+
+class RedisConfig(Strict):
+    url: str = "redis://127.0.0.1:6379/0"
+
+
+class ProxyConfig(Strict):
+    server: ServerConfig = ServerConfig()
+    backends: list[BackendConfig] = Field(min_length=1)
+    deployments: list[DeploymentConfig] | None = None
+    routing: RoutingConfig = RoutingConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+    redis: RedisConfig | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ProxyConfig":
+        _unique("backends", [b.name for b in self.backends])
+        _unique("backends", [b.url for b in self.backends], what="url")
+        if self.deployments:
+            _unique("deployments", [d.name for d in self.deployments])
+        return self
+
+
+def _unique(section: str, values: list[str], what: str = "name") -> None:
+    seen: set[str] = set()
+    for value in values:
+        if value in seen:
+            raise ValueError(f"{section}: duplicate {what} {value!r}")
+        seen.add(value)
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; `problems` holds one 'key.path: reason' line each."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: invalid config\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def _key_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "(top level)"
+
+
+def parse_config(data: object, source: str = "<config>") -> ProxyConfig:
+    try:
+        return ProxyConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            problems.append(f"{_key_path(err['loc'])}: {msg}")
+        raise ConfigError(source, problems) from None
+
+
+def load_config(path: str | Path) -> ProxyConfig:
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(source, [f"cannot read file: {exc.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(source, ["(top level): must be a mapping with at least `backends`"])
+    return parse_config(data, source)

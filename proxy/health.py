@@ -1,0 +1,101 @@
+"""Discovery and health: poll each replica's /v1/models for liveness and what it serves."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import aiohttp
+import orjson
+
+from proxy.config import DiscoveryConfig
+from proxy.routing.backends import Backend
+
+log = logging.getLogger("vllm_proxy.health")
+
+
+def read_models(payload: bytes) -> tuple[frozenset[str], dict[str, str | None]]:
+    """Base models and adapters (entries with a `parent`) of a vLLM /v1/models answer."""
+    data = orjson.loads(payload)
+    entries = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError("no `data` list")
+    models: set[str] = set()
+    adapters: dict[str, str | None] = {}
+    for entry in entries:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+            parent = entry.get("parent")
+            if isinstance(parent, str) and parent:
+                adapters[entry["id"]] = parent
+            else:
+                models.add(entry["id"])
+    return frozenset(models), adapters
+
+
+class Discovery:
+    """Keeps each Backend's `healthy`, `models` and `adapters` current; calls `on_change` when
+    what the fleet serves changed (so the catalog is rebuilt)."""
+
+    def __init__(
+        self,
+        session: Callable[[], aiohttp.ClientSession],
+        backends: list[Backend],
+        config: DiscoveryConfig,
+        on_change: Callable[[], None],
+        on_health: Callable[[Backend], None] = lambda b: None,
+    ) -> None:
+        self._session = session
+        self.backends = backends
+        self.config = config
+        self.on_change = on_change
+        self.on_health = on_health
+        self._task: asyncio.Task | None = None
+
+    async def poll_all(self) -> None:
+        changed = any(await asyncio.gather(*(self.poll(b) for b in self.backends)))
+        if changed:
+            self.on_change()
+
+    async def poll(self, backend: Backend) -> bool:
+        """One probe; returns True if the backend's served set changed."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+            headers = {k: v for k, v in backend.headers.items() if k == "Authorization"}
+            async with self._session().get(backend.url + "/v1/models", timeout=timeout, headers=headers) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"HTTP {resp.status}")
+                models, adapters = read_models(await resp.read())
+        except Exception as exc:  # any failure of the probe means "not healthy now"
+            backend.failures += 1
+            if backend.healthy and backend.failures >= self.config.failures_to_down:
+                log.warning("backend %s is down: %s", backend.name, exc or type(exc).__name__)
+                backend.healthy = False
+                self.on_health(backend)
+            return False
+        backend.failures = 0
+        if not backend.healthy:
+            log.info("backend %s is up", backend.name)
+            backend.healthy = True
+            self.on_health(backend)
+        changed = False
+        if backend.config.models is None and models != backend.models:
+            backend.models, changed = models, True
+        if backend.config.adapters is None and adapters != backend.adapters:
+            backend.adapters, changed = adapters, True
+        return changed
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                await self.poll_all()
+            except Exception:  # never let the loop die
+                log.exception("discovery round failed")

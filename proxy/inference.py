@@ -1,0 +1,169 @@
+"""The hot path for /v1/chat/completions, /v1/completions and /v1/embeddings:
+read the body (bounded), parse once, resolve the deployment, pick a replica, relay."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import orjson
+
+from proxy.asgi import Receive, Scope, Send, send_error
+from proxy.errors import ProxyError, model_not_found
+from proxy.forward import Progress, StreamBroken, UpstreamFailure
+from proxy.parse import ParsedRequest, parse_request
+from proxy.routing.backends import Backend
+from proxy.routing.catalog import Route
+from proxy.runtime import Runtime
+
+CLIENT_CLOSED = "499"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` (from
+    Content-Length before reading anything, else while reading): never buffered unbounded."""
+    for key, value in scope["headers"]:
+        if key == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                raise ProxyError(400, "Invalid Content-Length header.", code="invalid_request") from None
+            if declared > limit:
+                raise _too_large(limit)
+            break
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise ClientGone
+    body = message.get("body", b"")
+    if not message.get("more_body"):
+        if len(body) > limit:
+            raise _too_large(limit)
+        return body
+    parts = [body]
+    size = len(body)
+    while message.get("more_body"):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(
+        413, f"Request body is larger than the limit of {limit} bytes.", code="request_too_large",
+        headers=[(b"connection", b"close")],
+    )
+
+
+def no_backend(route: Route) -> ProxyError:
+    return ProxyError(
+        503, f"No healthy replica can serve `{route.name}` right now; retry shortly.",
+        code="no_healthy_backend", type="service_unavailable",
+        headers=[(b"retry-after", b"1"), (b"retry-after-ms", b"1000")],
+    )
+
+
+class DisconnectWatch:
+    """Cancels the request's task when the client goes away, so the upstream request is closed
+    (vLLM then aborts it) whether we are still waiting for the first byte or mid-stream."""
+
+    __slots__ = ("task", "gone", "done", "watcher")
+
+    def __init__(self, receive: Receive) -> None:
+        self.task = asyncio.current_task()
+        self.gone = False
+        self.done = False
+        self.watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not self.done:
+                    self.gone = True
+                    self.task.cancel()
+                return
+
+    def stop(self) -> None:
+        self.done = True
+        self.watcher.cancel()
+
+
+async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
+    started = time.perf_counter()
+    request_id = _request_id(scope)
+    id_header = [(b"x-request-id", request_id.encode("latin-1"))]
+    metrics = rt.metrics
+    try:
+        body = await read_body(scope, receive, rt.max_body_bytes)
+        parsed = parse_request(endpoint, body)
+        route = rt.catalog.get(parsed.model)
+        if route is None:
+            raise model_not_found(parsed.model)
+        backend, reason = choose(rt, route, parsed)
+    except ClientGone:
+        return
+    except ProxyError as err:
+        await send_error(send, err, id_header)
+        deployment = "unknown"
+        metrics.child(metrics.requests, deployment, "none", endpoint, str(err.status)).inc()
+        return
+
+    if route.rewrite:
+        parsed.data["model"] = route.upstream_id
+        body = orjson.dumps(parsed.data)
+    headers = {**backend.headers, "X-Request-Id": request_id}
+    response_headers = id_header
+    if rt.explain:
+        response_headers = [*id_header, (b"x-vllm-proxy-backend", backend.name.encode()), (b"x-vllm-proxy-route", reason.encode())]
+    metrics.child(metrics.decisions, rt.policy.name, reason).inc()
+
+    status = "502"
+    backend.in_flight += 1
+    in_flight = metrics.child(metrics.in_flight, backend.name)
+    in_flight.inc()
+    progress = Progress()
+    watch = DisconnectWatch(receive)
+    try:
+        status = str(await rt.upstream.exchange(backend.urls[endpoint], body, headers, send, response_headers, progress))
+    except asyncio.CancelledError:
+        if not watch.gone:
+            raise
+        status = CLIENT_CLOSED
+        phase = "streaming" if progress.started else "before_first_byte"
+        metrics.child(metrics.disconnects, route.name, phase).inc()
+    except UpstreamFailure as failure:
+        metrics.child(metrics.upstream_errors, backend.name, failure.kind).inc()
+        status = str(failure.status)
+        await send_error(send, failure, response_headers)
+    except StreamBroken as broken:
+        metrics.child(metrics.upstream_errors, backend.name, broken.failure.kind).inc()
+    finally:
+        watch.stop()
+        backend.in_flight -= 1
+        in_flight.dec()
+    metrics.child(metrics.requests, route.name, backend.name, endpoint, status).inc()
+    metrics.child(metrics.duration, route.name, backend.name, endpoint).observe(time.perf_counter() - started)
+
+
+def choose(rt: Runtime, route: Route, parsed: ParsedRequest) -> tuple[Backend, str]:
+    candidates = [b for b in route.backends if b.healthy]
+    if not candidates:
+        raise no_backend(route)
+    return rt.policy.pick(candidates, parsed)
+
+
+def _request_id(scope: Scope) -> str:
+    for key, value in scope["headers"]:
+        if key == b"x-request-id" and 0 < len(value) <= 128 and value.isascii():
+            return value.decode("ascii")
+    return os.urandom(12).hex()

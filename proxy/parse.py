@@ -1,0 +1,114 @@
+"""One pass over a request body: decode once (orjson), check the fields the proxy relies on.
+
+Everything else in the body is the upstream's business and is forwarded byte for byte.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.errors import bad_request
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    endpoint: str
+    data: dict[str, Any]
+    model: str
+    stream: bool
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        reason = str(exc)
+        if "depth limit" in reason:
+            raise bad_request("JSON nesting is too deep (limit 1024 levels).", code="json_too_deep") from None
+        if "UTF-8" in reason or "surrogate" in reason:
+            raise bad_request(f"Request body is not valid UTF-8 JSON: {reason}", code="invalid_encoding") from None
+        if not body:
+            raise bad_request("Request body is empty; expected a JSON object.", code="invalid_json") from None
+        raise bad_request(f"Request body is not valid JSON: {reason}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request(
+            f"Request body must be a JSON object, not {_json_type(data)}.", code="invalid_type"
+        )
+    return data
+
+
+def parse_request(endpoint: str, body: bytes) -> ParsedRequest:
+    data = decode(body)
+    model = data.get("model")
+    if model is None:
+        raise bad_request("You must provide a model parameter.", param="model", code="missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise bad_request(
+            f"`model` must be a non-empty string, not {_json_type(model)}.", param="model", code="invalid_type"
+        )
+    stream = data.get("stream", False)
+    if stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
+        raise bad_request(f"`stream` must be a boolean, not {_json_type(stream)}.", param="stream", code="invalid_type")
+    if endpoint == CHAT:
+        _check_messages(data.get("messages"))
+    elif endpoint == COMPLETIONS:
+        _require(data, "prompt", (str, list))
+    else:
+        _require(data, "input", (str, list))
+    options = data.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("`stream_options` must be an object.", param="stream_options", code="invalid_type")
+    return ParsedRequest(endpoint, data, model, stream)
+
+
+def _check_messages(messages: object) -> None:
+    if messages is None:
+        raise bad_request("Missing required parameter: `messages`.", param="messages", code="missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` must be a non-empty array.", param="messages", code="invalid_type")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request(f"`messages[{i}]` must be an object.", param=f"messages[{i}]", code="invalid_type")
+        if not isinstance(message.get("role"), str):
+            raise bad_request(
+                f"`messages[{i}].role` must be a string.", param=f"messages[{i}].role", code="invalid_type"
+            )
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise bad_request(
+                f"`messages[{i}].content` must be a string or an array of content parts.",
+                param=f"messages[{i}].content",
+                code="invalid_type",
+            )
+
+
+def _require(data: dict[str, Any], key: str, types: tuple[type, ...]) -> None:
+    value = data.get(key)
+    if value is None:
+        raise bad_request(f"Missing required parameter: `{key}`.", param=key, code="missing_required_parameter")
+    if not isinstance(value, types):
+        raise bad_request(f"`{key}` has the wrong type ({_json_type(value)}).", param=key, code="invalid_type")
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

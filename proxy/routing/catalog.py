@@ -1,0 +1,54 @@
+"""Public model names (deployments) -> upstream model/adapter and the replicas able to serve them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.config import DeploymentConfig
+from proxy.routing.backends import Backend
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    name: str  # what clients send as `model`
+    model: str  # upstream base model id
+    adapter: str | None  # upstream LoRA adapter id, if any
+    backends: tuple[Backend, ...]  # replicas that have model (and adapter)
+    parent: str | None = None  # for adapters: the public name of their base (for /v1/models)
+
+    @property
+    def upstream_id(self) -> str:
+        """What vLLM expects in `model`: the adapter name selects the adapter."""
+        return self.adapter or self.model
+
+    @property
+    def rewrite(self) -> bool:
+        return self.name != self.upstream_id
+
+
+def build_catalog(deployments: list[DeploymentConfig] | None, backends: list[Backend]) -> dict[str, Route]:
+    """Declared deployments, or else every model and adapter the backends report under its own id."""
+    if deployments is None:
+        deployments = _discovered_deployments(backends)
+    public_base = {d.model: d.name for d in deployments if d.adapter is None}
+    return {
+        d.name: Route(
+            name=d.name,
+            model=d.model,
+            adapter=d.adapter,
+            backends=tuple(b for b in backends if b.serves(d.model, d.adapter)),
+            parent=(public_base.get(d.model, d.model) if d.adapter else None),
+        )
+        for d in deployments
+    }
+
+
+def _discovered_deployments(backends: list[Backend]) -> list[DeploymentConfig]:
+    found: dict[str, DeploymentConfig] = {}
+    for backend in backends:
+        for model in sorted(backend.models):
+            found.setdefault(model, DeploymentConfig(name=model, model=model))
+        for adapter, parent in sorted(backend.adapters.items()):
+            base = parent or backend.base_model()
+            if base is not None:
+                found.setdefault(adapter, DeploymentConfig(name=adapter, model=base, adapter=adapter))
+    return list(found.values())

@@ -1,0 +1,55 @@
+"""Everything a running proxy holds for one config: backends, catalog, policy, client, metrics."""
+from __future__ import annotations
+
+import logging
+
+from proxy.config import ProxyConfig
+from proxy.forward import Upstream
+from proxy.health import Discovery
+from proxy.metrics import Metrics
+from proxy.routing.backends import Backend
+from proxy.routing.catalog import Route, build_catalog
+from proxy.routing.policies import make_policy
+
+log = logging.getLogger("vllm_proxy")
+
+
+class Runtime:
+    def __init__(self, config: ProxyConfig, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.backends = [Backend(b) for b in config.backends]
+        self.policy = make_policy(config.routing.policy)
+        self.catalog: dict[str, Route] = {}
+        self.rebuild_catalog()
+        self.upstream = Upstream(config.server)
+        self.discovery = Discovery(
+            lambda: self.upstream.session, self.backends, config.discovery, self.rebuild_catalog, self._health_changed
+        )
+        self.max_body_bytes = config.server.max_body_bytes
+        self.explain = config.server.explain_headers
+
+    def rebuild_catalog(self) -> None:
+        """Swapped whole, so a request sees one consistent catalog."""
+        self.catalog = build_catalog(self.config.deployments, self.backends)
+
+    def _health_changed(self, backend: Backend) -> None:
+        self.metrics.child(self.metrics.backend_up, backend.name).set(1 if backend.healthy else 0)
+
+    def ready(self) -> bool:
+        return any(b.healthy for b in self.backends)
+
+    async def start(self) -> None:
+        await self.upstream.open()
+        for backend in self.backends:
+            self._health_changed(backend)
+        await self.discovery.poll_all()
+        self.discovery.start()
+        log.info(
+            "serving %d deployments over %d backends (%d healthy)",
+            len(self.catalog), len(self.backends), sum(b.healthy for b in self.backends),
+        )
+
+    async def stop(self) -> None:
+        await self.discovery.stop()
+        await self.upstream.close()

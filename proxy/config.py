@@ -60,8 +60,21 @@ class DeploymentConfig(Strict):
     adapter: str | None = None
 
 
+class AffinityConfig(Strict):
+    """Knobs of `prefix_affinity` (see proxy/routing/affinity.py)."""
+
+    block_chars: int = Field(256, ge=16, description="prefix block size in bytes of rendered prompt (~64 tokens)")
+    max_blocks: int = Field(64, ge=1, description="blocks hashed per request; longer prompts share keys beyond it")
+    epsilon: float = Field(0.1, gt=0, le=10, description="load bound: no replica above ceil((1+eps) x mean)")
+    index_blocks_per_backend: int = Field(
+        50_000, ge=1, description="local index entries per replica (about its prefix-cache size in blocks)"
+    )
+    shared_ttl_s: float = Field(600.0, gt=0, description="lifetime of a prefix entry in Redis")
+
+
 class RoutingConfig(Strict):
-    policy: Literal["round_robin", "least_loaded"] = "least_loaded"
+    policy: Literal["prefix_affinity", "least_loaded", "round_robin"] = "prefix_affinity"
+    prefix_affinity: AffinityConfig = AffinityConfig()
 
 
 class DiscoveryConfig(Strict):
@@ -73,7 +86,18 @@ class DiscoveryConfig(Strict):
 
 
 class RedisConfig(Strict):
+    """Shared routing state for several proxy processes; optional."""
+
     url: str = "redis://127.0.0.1:6379/0"
+    timeout_s: float = Field(0.05, gt=0, description="per request-path call; slower means local mode")
+    sync_interval_s: float = Field(0.1, gt=0, description="load view publish/read period")
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
 
 
 class ProxyConfig(Strict):

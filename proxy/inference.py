@@ -109,7 +109,7 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         route = rt.catalog.get(parsed.model)
         if route is None:
             raise model_not_found(parsed.model)
-        backend, reason = choose(rt, route, parsed)
+        backend, reason = await choose(rt, route, parsed)
     except ClientGone:
         return
     except ProxyError as err:
@@ -155,11 +155,11 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     metrics.child(metrics.duration, route.name, backend.name, endpoint).observe(time.perf_counter() - started)
 
 
-def choose(rt: Runtime, route: Route, parsed: ParsedRequest) -> tuple[Backend, str]:
+async def choose(rt: Runtime, route: Route, parsed: ParsedRequest) -> tuple[Backend, str]:
     candidates = [b for b in route.backends if b.healthy]
     if not candidates:
         raise no_backend(route)
-    return rt.policy.pick(candidates, parsed)
+    return await rt.policy.pick(candidates, parsed, route)
 
 
 def _request_id(scope: Scope) -> str:

@@ -37,6 +37,7 @@ class Metrics:
             "vllm_proxy_client_disconnects", "Clients that went away before the response ended.",
             ["deployment", "phase"], registry=r,
         )
+        self.redis_up = Gauge("vllm_proxy_redis_up", "1 while the shared Redis state is reachable.", registry=r)
         self._children: dict[tuple, object] = {}
 
     def child(self, family, *labels: str):

@@ -10,6 +10,7 @@ from proxy.metrics import Metrics
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route, build_catalog
 from proxy.routing.policies import make_policy
+from proxy.shared import SharedState
 
 log = logging.getLogger("vllm_proxy")
 
@@ -19,7 +20,17 @@ class Runtime:
         self.config = config
         self.metrics = metrics or Metrics()
         self.backends = [Backend(b) for b in config.backends]
-        self.policy = make_policy(config.routing.policy)
+        self.shared: SharedState | None = None
+        if config.redis is not None:
+            self.shared = SharedState(
+                config.redis.url,
+                ttl_s=config.routing.prefix_affinity.shared_ttl_s,
+                timeout_s=config.redis.timeout_s,
+                sync_interval_s=config.redis.sync_interval_s,
+                local_load=lambda: {b.name: b.in_flight for b in self.backends},
+                on_status=lambda up: self.metrics.redis_up.set(1 if up else 0),
+            )
+        self.policy = make_policy(config.routing, self.shared)
         self.catalog: dict[str, Route] = {}
         self.rebuild_catalog()
         self.upstream = Upstream(config.server)
@@ -45,6 +56,8 @@ class Runtime:
             self._health_changed(backend)
         await self.discovery.poll_all()
         self.discovery.start()
+        if self.shared is not None:
+            self.shared.start()
         log.info(
             "serving %d deployments over %d backends (%d healthy)",
             len(self.catalog), len(self.backends), sum(b.healthy for b in self.backends),
@@ -52,4 +65,6 @@ class Runtime:
 
     async def stop(self) -> None:
         await self.discovery.stop()
+        if self.shared is not None:
+            await self.shared.stop()
         await self.upstream.close()

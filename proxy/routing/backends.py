@@ -1,15 +1,18 @@
 """Live state of each vLLM replica: health, what it serves, and the proxy's in-flight count."""
 from __future__ import annotations
 
+from hashlib import blake2b
+
 from proxy.config import BackendConfig
 from proxy.parse import ENDPOINTS
 
 
 class Backend:
-    __slots__ = ("name", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "urls", "headers")
+    __slots__ = ("name", "salt", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "urls", "headers")
 
     def __init__(self, config: BackendConfig) -> None:
         self.name = config.name
+        self.salt = int.from_bytes(blake2b(config.name.encode(), digest_size=8).digest(), "little")
         self.url = config.url
         self.config = config
         self.healthy = False

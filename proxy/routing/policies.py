@@ -3,14 +3,19 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
+from proxy.config import RoutingConfig
 from proxy.parse import ParsedRequest
+from proxy.routing.affinity import PrefixAffinity
 from proxy.routing.backends import Backend
+from proxy.routing.catalog import Route
+from proxy.shared import SharedState
 
 
 class Policy(Protocol):
     name: str
 
-    def pick(self, candidates: Sequence[Backend], request: ParsedRequest) -> tuple[Backend, str]: ...
+    async def pick(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
+        """`candidates`: the healthy replicas able to serve `route` (never empty)."""
 
 
 class RoundRobin:
@@ -19,7 +24,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def pick(self, candidates: Sequence[Backend], request: ParsedRequest) -> tuple[Backend, str]:
+    async def pick(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
         self._next += 1
         return candidates[self._next % len(candidates)], "round-robin"
 
@@ -32,7 +37,7 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._next = 0
 
-    def pick(self, candidates: Sequence[Backend], request: ParsedRequest) -> tuple[Backend, str]:
+    async def pick(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
         self._next += 1
         n = len(candidates)
         start = self._next % n
@@ -44,8 +49,7 @@ class LeastLoaded:
         return best, "least-loaded"
 
 
-POLICIES: dict[str, type[RoundRobin] | type[LeastLoaded]] = {p.name: p for p in (RoundRobin, LeastLoaded)}
-
-
-def make_policy(name: str) -> Policy:
-    return POLICIES[name]()
+def make_policy(config: RoutingConfig, shared: SharedState | None = None) -> Policy:
+    if config.policy == "prefix_affinity":
+        return PrefixAffinity(config.prefix_affinity, shared)
+    return RoundRobin() if config.policy == "round_robin" else LeastLoaded()

@@ -1,0 +1,1 @@
+"""Load tests: a very fast fake vLLM backend and the forwarding-overhead benchmark."""

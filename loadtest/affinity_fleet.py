@@ -1,0 +1,208 @@
+"""Processes of one benchmark cell: simulated replicas and the routers in front of them.
+
+Every cell starts from fresh processes so prefix caches start cold and counters start at zero.
+Each child runs in its own session and is stopped by its process group; logs go to a temp dir
+and are shown when something fails to start. Everything listens on 127.0.0.1 only.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+OUR_POLICIES = ("round_robin", "least_loaded", "prefix_affinity")
+PEERS = {  # policy prefix -> how to launch one peer router
+    "sglang": lambda venv: [str(Path(venv) / "bin" / "python"), "-m", "sglang_router.launch_router"],
+    "vllm-router": lambda venv: [str(Path(venv) / "bin" / "vllm-router")],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 2.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+@dataclass
+class SimSettings:
+    model: str
+    num_gpu_blocks: int
+    block_size: int = 16
+    prefill_ms_per_token: float = 0.05
+    itl_ms: float = 10.0
+    time_scale: float = 1.0
+    max_num_seqs: int = 8
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+                self.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+            except ProcessLookupError:
+                pass
+
+    def tail(self, n: int = 20) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+@dataclass
+class Fleet:
+    """Replicas plus routers of one cell; use as a context manager so everything is stopped."""
+
+    tmp: Path
+    procs: list[Proc] = field(default_factory=list)
+    replicas: list[str] = field(default_factory=list)  # base URLs
+    routers: list[str] = field(default_factory=list)  # base URLs clients use
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        self.procs.clear()
+
+    def spawn(self, name: str, cmd: list[str]) -> Proc:
+        log = self.tmp / f"{name}.log"
+        popen = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def wait_ready(proc: Proc, url: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{url} not ready after {timeout:.0f} s:\n{proc.tail()}")
+
+    # --- replicas ----------------------------------------------------------------------------
+    def start_replicas(self, count: int, s: SimSettings) -> None:
+        started = []
+        for i in range(count):
+            port = free_port()
+            cmd = [sys.executable, "-m", "proxy", "sim", "--port", str(port), "--model", s.model,
+                   "--num-gpu-blocks", str(s.num_gpu_blocks), "--block-size", str(s.block_size),
+                   "--prefill-ms-per-token", str(s.prefill_ms_per_token), "--itl-ms", str(s.itl_ms),
+                   "--time-scale", str(s.time_scale), "--max-num-seqs", str(s.max_num_seqs)]
+            started.append((self.spawn(f"sim{i}", cmd), f"http://{HOST}:{port}"))
+        for proc, url in started:
+            self.wait_ready(proc, url + "/health")
+            self.replicas.append(url)
+
+    def replica_counters(self) -> list[dict]:
+        """Per replica: prefix-cache token counters from /metrics, request counts from /sim/stats."""
+        out = []
+        for url in self.replicas:
+            metrics = http_get(url + "/metrics").decode()
+            stats = orjson.loads(http_get(url + "/sim/stats"))
+            out.append({"queries": _counter(metrics, "vllm:prefix_cache_queries_total"),
+                        "hits": _counter(metrics, "vllm:prefix_cache_hits_total"),
+                        "requests": sum(stats["requests"].values()),
+                        "evictions": stats["prefix_cache"]["evictions"]})
+        return out
+
+    # --- routers -----------------------------------------------------------------------------
+    def start_proxies(self, count: int, policy: str, redis_url: str) -> None:
+        started = []
+        for i in range(count):
+            port = free_port()
+            cfg = self.tmp / f"proxy{i}.yaml"
+            cfg.write_text(proxy_config(port, self.replicas, policy, redis_url))
+            cmd = [sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--port", str(port)]
+            started.append((self.spawn(f"proxy{i}", cmd), f"http://{HOST}:{port}"))
+        for proc, url in started:
+            self.wait_ready(proc, url + "/ready")
+            self.routers.append(url)
+
+    def start_peers(self, count: int, peer: str, policy: str, venv: str) -> None:
+        started = []
+        for i in range(count):
+            port = free_port()
+            cmd = PEERS[peer](venv) + ["--worker-urls", *self.replicas, "--host", HOST, "--port", str(port),
+                                       "--policy", policy, "--prometheus-port", str(free_port()),
+                                       "--log-level", "warn" if peer == "sglang" else "warning"]
+            started.append((self.spawn(f"{peer}{i}", cmd), f"http://{HOST}:{port}"))
+        for proc, url in started:
+            self.wait_ready(proc, url + "/readiness", timeout=60)
+            self.routers.append(url)
+
+
+def proxy_config(port: int, replicas: list[str], policy: str, redis_url: str) -> str:
+    backends = "".join(f'  - {{name: r{i}, url: "{u}"}}\n' for i, u in enumerate(replicas))
+    return (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n{backends}"
+            f"routing: {{policy: {policy}}}\nredis: {{url: \"{redis_url}\"}}\n")
+
+
+def check_policy(policy: str, tmp: Path, redis_url: str) -> str | None:
+    """None if `python -m proxy check` accepts a config with this policy, else its complaint."""
+    cfg = tmp / f"check-{policy}.yaml"
+    cfg.write_text(proxy_config(free_port(), [f"http://{HOST}:1", f"http://{HOST}:2"], policy, redis_url))
+    r = subprocess.run([sys.executable, "-m", "proxy", "check", "--config", str(cfg)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    return None if r.returncode == 0 else (r.stderr or r.stdout).strip()
+
+
+def peer_available(peer: str, venv: str) -> str | None:
+    """None if the peer router can be launched from `venv`, else why not."""
+    cmd = PEERS[peer](venv)
+    if not Path(cmd[0]).exists():
+        return f"{cmd[0]} not found"
+    if peer == "sglang" and subprocess.run(cmd[:1] + ["-c", "import sglang_router"],
+                                           capture_output=True).returncode:
+        return f"sglang_router not importable in {venv}"
+    return None
+
+
+def flush_redis(url: str) -> None:
+    """Empty the benchmark's Redis DB so shared routing state starts cold, like the caches."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+
+
+def _counter(text: str, name: str) -> float:
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M):
+        total += float(m.group(1))
+    return total

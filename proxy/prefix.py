@@ -1,0 +1,116 @@
+"""Prefix keys: chained hashes of fixed-size blocks of the rendered prompt.
+
+vLLM's prefix cache reuses the KV of a shared leading token run; its key is a chain of block
+hashes. We approximate it on text, seeded with the upstream model and adapter (different models
+never share keys). The **pin key** covers the leading system/developer message(s): the part a
+tenant repeats in every conversation, so it decides a replica when no longer match is known.
+Hashes are 64-bit ints from blake2b: stable across processes, so every proxy agrees.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import Any
+
+import orjson
+
+_SYSTEM_ROLES = ("system", "developer")
+_MEDIA_SAMPLE = 4096  # bytes of a data: URL's head and tail that identify it (plus its length)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixKey:
+    pin: int
+    chain: tuple[int, ...]  # hash of blocks [0..i] for each full block i (capped)
+    pin_blocks: int  # how many leading chain entries lie inside the pinned (system) part
+
+
+def _h(data: bytes) -> int:
+    return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
+
+
+def media_digest(url: str) -> str:
+    """A bounded stand-in for a media URL: identical images give identical keys, and a large
+    base64 payload is never hashed whole."""
+    if url.startswith("data:") and len(url) > 2 * _MEDIA_SAMPLE:
+        sample = url[:_MEDIA_SAMPLE] + url[-_MEDIA_SAMPLE:]
+        return "data#%d#%016x" % (len(url), _h(sample.encode("utf-8", "surrogatepass")))
+    return url
+
+
+def _part_text(part: Any) -> str:
+    if not isinstance(part, dict):
+        return ""
+    kind = part.get("type")
+    if kind == "text":
+        text = part.get("text")
+        return text if isinstance(text, str) else ""
+    value = part.get(kind) if isinstance(kind, str) else None
+    if isinstance(value, dict):
+        url = value.get("url")
+        if isinstance(url, str):
+            return "\x1d" + media_digest(url)
+        data = value.get("data")
+        if isinstance(data, str):
+            return "\x1d" + media_digest(data)
+    return ""
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(_part_text(p) for p in content)
+    return ""
+
+
+def render_chat(data: dict[str, Any]) -> tuple[bytes, int]:
+    """The prompt as bytes, and where the leading system part ends (0 if there is none)."""
+    pieces: list[str] = []
+    tools = data.get("tools")
+    if tools:
+        pieces.append(orjson.dumps(tools).decode())
+    system_end = -1
+    size = sum(len(p) for p in pieces)
+    for message in data["messages"]:
+        role = message.get("role")
+        piece = f"\x1e{role}\x1f{_content_text(message.get('content'))}"
+        if system_end < 0 and role not in _SYSTEM_ROLES:
+            system_end = size
+        pieces.append(piece)
+        size += len(piece)
+    if system_end < 0:
+        system_end = size
+    text = "".join(pieces)
+    # offsets are in characters; convert the boundary to bytes only when non-ASCII makes them differ
+    if not text.isascii():
+        system_end = len(text[:system_end].encode("utf-8", "surrogatepass"))
+    return text.encode("utf-8", "surrogatepass"), system_end
+
+
+def render_prompt(prompt: Any) -> bytes:
+    """Completions: a string, the first of a batch, or token ids."""
+    if isinstance(prompt, list) and prompt:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt.encode("utf-8", "surrogatepass")
+    if isinstance(prompt, list):
+        return orjson.dumps(prompt)
+    return b""
+
+
+def prefix_key(endpoint_is_chat: bool, data: dict[str, Any], seed: str, block: int, max_blocks: int) -> PrefixKey:
+    if endpoint_is_chat:
+        text, system_end = render_chat(data)
+    else:
+        text, system_end = render_prompt(data.get("prompt")), 0
+    head = seed.encode() + b"\x00"
+    pin_part = text[:system_end] if system_end > 0 else text[:block]
+    pin = _h(head + pin_part)
+    chain: list[int] = []
+    previous = _h(head).to_bytes(8, "little")
+    for start in range(0, min(len(text) // block, max_blocks) * block, block):
+        value = _h(previous + text[start : start + block])
+        chain.append(value)
+        previous = value.to_bytes(8, "little")
+    return PrefixKey(pin, tuple(chain), min(system_end // block, len(chain)))

@@ -1,0 +1,59 @@
+"""Fault injection, set at run time through POST /sim/faults, to test how the proxy copes.
+
+Faults are real time (not scaled by time_scale): a hung or slow replica must look hung or slow
+even when the simulated model runs at infinite speed.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field, fields
+
+from proxy.sim.errors import bad_request
+
+
+@dataclass
+class Faults:
+    hang: bool = False  # accept requests (also /health, /metrics) and never answer while set
+    error_rate: float = 0.0  # share of inference requests answered with error_status
+    error_status: int = 500
+    slow_ms: float = 0.0  # extra delay before the first byte of inference responses
+    fail_lora_loads: bool = False
+    _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _random: random.Random = field(default_factory=lambda: random.Random(0), repr=False)
+
+    def update(self, changes: object) -> None:
+        """Apply `changes` (a JSON object of fault fields) atomically, or raise a 400."""
+        if not isinstance(changes, dict):
+            raise bad_request("Faults must be a JSON object.")
+        current = self.as_dict()
+        for key, value in changes.items():
+            if key not in current:
+                raise bad_request(f"Unknown fault '{key}'; known: {', '.join(current)}.", param=key)
+            kind = type(current[key])
+            if not isinstance(value, (bool, int, float)) or (kind is bool) != isinstance(value, bool):
+                raise bad_request(f"Bad value for fault '{key}': {value!r}.", param=key)
+            current[key] = kind(value)
+        if not (0.0 <= current["error_rate"] <= 1.0) or not (400 <= current["error_status"] <= 599) \
+                or current["slow_ms"] < 0:
+            raise bad_request("error_rate must be in [0, 1], error_status in 400..599, slow_ms >= 0.")
+        for key, value in current.items():
+            setattr(self, key, value)
+        if self.hang:
+            self._released.clear()
+        else:
+            self._released.set()
+
+    def reset(self) -> None:
+        self.update({f.name: f.default for f in fields(self) if not f.name.startswith("_")})
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    async def wait_unhung(self) -> None:
+        """Block while `hang` is set (forever, unless the client goes away or the fault is lifted)."""
+        if self.hang:
+            await self._released.wait()
+
+    def should_fail(self) -> bool:
+        return self.error_rate > 0 and self._random.random() < self.error_rate

@@ -1,0 +1,75 @@
+"""Fixtures that start real servers: simulated vLLM replicas and the proxy, on loopback ports."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from proxy.app import ProxyApp
+from proxy.config import parse_config
+from proxy.sim.app import create_app
+from proxy.sim.config import SimConfig
+from tests.support import ServerThread
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+class Servers:
+    """Starts servers on demand and stops them all at teardown."""
+
+    def __init__(self) -> None:
+        self.running: list[ServerThread] = []
+
+    def sim(self, **options: Any) -> ServerThread:
+        options.setdefault("model", MODEL)
+        options.setdefault("time_scale", 0.0)
+        server = ServerThread(create_app(SimConfig(**options))).start()
+        self.running.append(server)
+        return server
+
+    def proxy(self, config: dict[str, Any]) -> ServerThread:
+        config.setdefault("discovery", {"interval_s": 0.2, "timeout_s": 1.0, "failures_to_down": 1})
+        server = ServerThread(ProxyApp(parse_config(config)), loop="uvloop", http="httptools").start()
+        self.running.append(server)
+        return server
+
+    def proxy_for(self, *sims: ServerThread, **config: Any) -> ServerThread:
+        """A proxy in front of `sims` (named gpu-0, gpu-1, ...)."""
+        backends = config.pop("backends", None) or [{"name": f"gpu-{i}", "url": s.url} for i, s in enumerate(sims)]
+        return self.proxy({"backends": backends, **config})
+
+    def stop(self) -> None:
+        for server in reversed(self.running):
+            server.stop()
+
+
+@pytest.fixture
+def servers() -> Iterator[Servers]:
+    s = Servers()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def fleet(servers: Servers) -> tuple[ServerThread, list[ServerThread]]:
+    """Proxy in front of two fast simulated replicas serving MODEL with discovery."""
+    sims = [servers.sim(), servers.sim()]
+    return servers.proxy_for(*sims), sims
+
+
+def sim_of(server: ServerThread) -> Any:
+    return server.server.config.app
+
+
+Predicate = Callable[[], bool]
+
+
+def eventually(predicate: Predicate, timeout: float = 2.0, interval: float = 0.02) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -60,9 +60,19 @@ class Upstream:
             self.session = None
 
     async def exchange(
-        self, url: str, body: bytes, headers: dict[str, str], send: Send, response_headers: Headers, progress: Progress
+        self,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        send: Send,
+        response_headers: Headers,
+        progress: Progress,
+        rename: tuple[bytes, bytes] | None = None,
     ) -> int:
         """POST `body` to `url` and relay the answer to the client. Returns the status sent.
+
+        `rename` swaps the upstream model id for the deployment name in the `model` field (as
+        vLLM's --served-model-name would): a byte substitution, never a re-serialization.
 
         Raises UpstreamFailure only while nothing has been sent to the client yet; after the first
         byte of a stream, a failure ends the stream with an SSE error event instead.
@@ -81,7 +91,7 @@ class Upstream:
             ctype = resp.headers.get("Content-Type", "application/json").encode("latin-1")
             if status < 400 and ctype.startswith(b"text/event-stream"):
                 progress.started = True
-                await self._relay_stream(resp, send, [(b"content-type", ctype), *SSE_HEADERS, *response_headers])
+                await self._relay_stream(resp, send, [(b"content-type", ctype), *SSE_HEADERS, *response_headers], rename)
                 return status
             try:
                 payload = await resp.read()
@@ -91,6 +101,8 @@ class Upstream:
                 raise UpstreamFailure("reset", 502, f"The model server broke off its answer: {exc}") from None
             if status >= 400:
                 payload, ctype = normalise_upstream_error(status, payload), JSON
+            elif rename is not None:
+                payload = payload.replace(*rename)
             headers_out = [(b"content-type", ctype), (b"content-length", b"%d" % len(payload)), *response_headers]
             progress.started = True
             await send({"type": "http.response.start", "status": status, "headers": headers_out})
@@ -102,12 +114,16 @@ class Upstream:
         finally:
             resp.release()
 
-    async def _relay_stream(self, resp: aiohttp.ClientResponse, send: Send, headers: Headers) -> None:
+    async def _relay_stream(
+        self, resp: aiohttp.ClientResponse, send: Send, headers: Headers, rename: tuple[bytes, bytes] | None
+    ) -> None:
         if resp.connection is not None:
             resp.connection.protocol.read_timeout = self.idle_timeout  # first byte came; now the idle gap
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         try:
             async for chunk in resp.content.iter_any():
+                if rename is not None:
+                    chunk = chunk.replace(*rename)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "reset"

@@ -134,7 +134,9 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     progress = Progress()
     watch = DisconnectWatch(receive)
     try:
-        status = str(await rt.upstream.exchange(backend.urls[endpoint], body, headers, send, response_headers, progress))
+        status = str(await rt.upstream.exchange(
+            backend.urls[endpoint], body, headers, send, response_headers, progress, route.rename
+        ))
     except asyncio.CancelledError:
         if not watch.gone:
             raise

@@ -107,8 +107,9 @@ def test_deployment_names_map_to_upstream_model_and_adapter(servers: Servers) ->
     assert set(cards) == {"llama-8b", "sql"}
     assert cards["sql"].model_extra["parent"] == "llama-8b"
     for _ in range(4):
-        client.chat.completions.create(model="sql", messages=MESSAGES, max_tokens=2)
-        client.chat.completions.create(model="llama-8b", messages=MESSAGES, max_tokens=2)
+        assert client.chat.completions.create(model="sql", messages=MESSAGES, max_tokens=2).model == "sql"
+        chunks = client.chat.completions.create(model="llama-8b", messages=MESSAGES, max_tokens=2, stream=True)
+        assert {c.model for c in chunks} == {"llama-8b"}
     assert sim_of(base).stats()["requests"].get("sql-lora", 0) == 0
     assert sim_of(lora).stats()["requests"]["sql-lora"] == 4
     assert sim_of(base).stats()["requests"].get(MODEL, 0) + sim_of(lora).stats()["requests"].get(MODEL, 0) == 4

@@ -1,6 +1,7 @@
 """The simulated vLLM replica, served for real and driven with the official openai SDK and httpx."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import contextlib
@@ -16,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.sim import SimApp, SimConfig, create_app
+from proxy.sim.cli import add_arguments, config_from_args
 from tests.support import ServerThread
 
 BASE = "meta-llama/Llama-3.1-8B-Instruct"
@@ -85,9 +87,13 @@ def test_chat_non_streaming(client):
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]  # deterministic
 
 
-def test_chat_ignore_eos_runs_to_max_tokens(client):
-    r = client.chat.completions.create(model=BASE, messages=USER, max_tokens=40, extra_body={"ignore_eos": True})
+def test_finish_reasons(client):
+    r = client.chat.completions.create(model=BASE, messages=USER, max_tokens=40)
     assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
+    r = client.chat.completions.create(model=BASE, messages=USER, max_completion_tokens=4000)  # runs into "EOS"
+    assert 64 <= r.usage.completion_tokens < 4000 and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model=BASE, messages=USER, max_tokens=600, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 600 and r.choices[0].finish_reason == "length"
 
 
 def test_chat_streaming_wire_format(fast):
@@ -194,6 +200,17 @@ def test_errors_have_vllm_shape(fast, client):
     assert httpx.get(url + "/version").json() == {"version": "0.31.0-sim"}
 
 
+def test_cli_flags():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args([
+        "--served-model-name", "llama", "--lora-modules", "a=/a", "b=/b", "--max-loras", "2", "--time-scale", "0",
+        "--trust-request-mm-kwargs", "--num-gpu-blocks", "64", "--api-key", "k"]))
+    assert config.model_id == "llama" and config.lora_modules == {"a": "/a", "b": "/b"} and config.max_loras == 2
+    assert config.time_scale == 0 and config.trust_request_mm_kwargs and config.num_gpu_blocks == 64
+    assert config.api_key == "k" and config.block_size == SimConfig().block_size
+
+
 def test_api_key():
     with serve(api_key="s3cret") as (url, _):
         assert httpx.get(url + "/v1/models").status_code == 401
@@ -257,16 +274,18 @@ def test_prefix_cache_is_per_adapter_and_covers_multi_turn():
 # --- scheduling and latency -------------------------------------------------------------------
 
 async def test_max_loras_makes_other_adapters_wait():
-    with serve(lora_modules={"a": "/a", "b": "/b"}, max_loras=1, max_cpu_loras=2, time_scale=1, itl_ms=20,
+    with serve(lora_modules={"a": "/a", "b": "/b"}, max_loras=1, max_cpu_loras=2, time_scale=1, itl_ms=30,
                prefill_ms_per_token=0) as (url, app):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         kwargs = {"messages": USER, "max_tokens": 10, "extra_body": {"ignore_eos": True}}
+        engine = app.engine
         first = asyncio.create_task(client.chat.completions.create(model="a", **kwargs))
-        await asyncio.sleep(0.05)
+        while not engine.running:
+            await asyncio.sleep(0.005)
         base = asyncio.create_task(client.chat.completions.create(model=BASE, **kwargs))
         second = asyncio.create_task(client.chat.completions.create(model="b", **kwargs))
-        await asyncio.sleep(0.05)
-        engine = app.engine
+        while len(engine.running) + len(engine.waiting) < 3:
+            await asyncio.sleep(0.005)
         assert {r.adapter for r in engine.running} == {"a", None} and [r.adapter for r in engine.waiting] == ["b"]
         info = next(k for k in metrics(url) if k.startswith("vllm:lora_requests_info"))
         assert "running_lora_adapters=a," in info and "waiting_lora_adapters=b" in info and "max_lora=1" in info

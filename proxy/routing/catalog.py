@@ -24,6 +24,13 @@ class Route:
     def rewrite(self) -> bool:
         return self.name != self.upstream_id
 
+    @property
+    def rename(self) -> tuple[bytes, bytes] | None:
+        """Response bytes to swap so clients see the name they asked for in `model`."""
+        if not self.rewrite:
+            return None
+        return b'"model":"%s"' % self.upstream_id.encode(), b'"model":"%s"' % self.name.encode()
+
 
 def build_catalog(deployments: list[DeploymentConfig] | None, backends: list[Backend]) -> dict[str, Route]:
     """Declared deployments, or else every model and adapter the backends report under its own id."""

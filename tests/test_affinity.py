@@ -1,0 +1,160 @@
+"""prefix_affinity: agreement without coordination, bounded load, continuations, membership
+changes, and the Redis-shared index (with Redis going away and coming back)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import redis
+
+from proxy.config import AffinityConfig, BackendConfig
+from proxy.parse import CHAT, parse_request
+from proxy.prefix import prefix_key
+from proxy.routing.affinity import PrefixAffinity
+from proxy.routing.backends import Backend
+from proxy.routing.catalog import Route
+from tests.conftest import MODEL, Servers, eventually, sim_of
+
+import orjson
+
+
+def backends(n: int) -> list[Backend]:
+    out = [Backend(BackendConfig(name=f"gpu-{i}", url=f"http://127.0.0.1:{9000 + i}", models=[MODEL])) for i in range(n)]
+    for b in out:
+        b.healthy = True
+    return out
+
+
+def route_for(bs: list[Backend]) -> Route:
+    return Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(bs))
+
+
+def chat_request(system: str, *turns: str):
+    messages = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return parse_request(CHAT, orjson.dumps({"model": MODEL, "messages": messages}))
+
+
+def tenant(i: int) -> str:
+    return f"You are assistant number {i} of the ACME corporation. " * 20
+
+
+def pick(policy: PrefixAffinity, bs: list[Backend], request) -> tuple[str, str]:
+    backend, reason = asyncio.run(policy.pick(bs, request, route_for(bs)))
+    return backend.name, reason
+
+
+def test_prefix_keys_share_the_system_part_and_differ_by_model() -> None:
+    a = prefix_key(True, chat_request(tenant(1), "hi").data, MODEL, 256, 64)
+    b = prefix_key(True, chat_request(tenant(1), "something else entirely").data, MODEL, 256, 64)
+    c = prefix_key(True, chat_request(tenant(1), "hi").data, "other-model", 256, 64)
+    assert a.pin == b.pin and a.pin != c.pin
+    assert a.pin_blocks == len(tenant(1)) // 256
+    assert a.chain[: a.pin_blocks] == b.chain[: b.pin_blocks]
+    assert not set(a.chain) & set(c.chain)
+
+
+def test_independent_policies_agree_without_coordination() -> None:
+    bs = backends(4)
+    one, two = PrefixAffinity(AffinityConfig()), PrefixAffinity(AffinityConfig())
+    for i in range(50):
+        request = chat_request(tenant(i), "hello")
+        assert pick(one, bs, request) == pick(two, bs, request)
+
+
+def test_membership_change_moves_only_the_keys_that_must_move() -> None:
+    bs = backends(5)
+    before = {i: pick(PrefixAffinity(AffinityConfig()), bs[:4], chat_request(tenant(i), "x"))[0] for i in range(400)}
+    after = {i: pick(PrefixAffinity(AffinityConfig()), bs, chat_request(tenant(i), "x"))[0] for i in range(400)}
+    moved = [i for i in before if before[i] != after[i]]
+    assert all(after[i] == "gpu-4" for i in moved)  # keys only move to the new replica
+    assert 0.1 < len(moved) / 400 < 0.3  # about 1/5 of them
+    gone = {i: pick(PrefixAffinity(AffinityConfig()), bs[1:4], chat_request(tenant(i), "x"))[0] for i in range(400)}
+    assert all(gone[i] == before[i] for i in before if before[i] != "gpu-0")  # removing one re-pins only its keys
+
+
+def test_hot_prefix_spills_within_the_load_bound() -> None:
+    bs = backends(4)
+    policy = PrefixAffinity(AffinityConfig(epsilon=0.1))
+    request = chat_request(tenant(7), "hello")
+    reasons = []
+    for _ in range(40):  # requests pile up (none finishes): load must stay within the bound
+        name, reason = pick(policy, bs, request)
+        next(b for b in bs if b.name == name).in_flight += 1
+        reasons.append(reason)
+        loads = [b.in_flight for b in bs]
+        assert max(loads) <= -(-(1.1 * sum(loads)) // 4) + 1
+    assert reasons[0] == "pinned" and "spill" in reasons
+    assert min(b.in_flight for b in bs) > 0  # the hot key spread as far as its load needed
+
+
+def test_conversation_follows_its_earlier_turns() -> None:
+    bs = backends(4)
+    policy = PrefixAffinity(AffinityConfig(block_chars=64))
+    first, _ = pick(policy, bs, chat_request(tenant(3), "question one " * 10))
+    home = next(b for b in bs if b.name == first)
+    home.in_flight = 3  # the conversation's home is busy: a new conversation spills...
+    spilled, reason = pick(policy, bs, chat_request(tenant(3), "a different question " * 10))
+    assert reason == "spill" and spilled != first
+    home.in_flight = 0
+    # ...and its continuation goes back to where its earlier turns were computed
+    name, reason = pick(policy, bs, chat_request(tenant(3), "a different question " * 10, "answer " * 10, "more"))
+    assert (name, reason) == (spilled, "prefix-hit")
+
+
+REDIS_URL = "redis://127.0.0.1:6379/9"
+
+
+@pytest.fixture
+def redis_db():
+    client = redis.Redis.from_url(REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+
+
+def test_proxies_share_continuations_through_redis(servers: Servers, redis_db) -> None:
+    """Proxy A routes a conversation; proxy B (another process in production) sends its
+    continuation to the same replica, even when that is not the key's rendezvous home."""
+    sims = [servers.sim() for _ in range(3)]
+    config = {"redis": {"url": REDIS_URL}, "routing": {"prefix_affinity": {"block_chars": 64}}}
+    a = servers.proxy_for(*sims, **config)
+    b = servers.proxy_for(*sims, **config)
+    assert eventually(lambda: redis_db.hlen("vp:load") >= 6)
+    messages = [{"role": "system", "content": tenant(11)}, {"role": "user", "content": "first question " * 8}]
+    seen = set()
+    for i in range(6):  # a few distinct conversations of one tenant through A
+        body = {"model": MODEL, "messages": [messages[0], {"role": "user", "content": f"q{i} " * 30}], "max_tokens": 2}
+        seen.add(httpx.post(a.url + "/v1/chat/completions", json=body).headers["x-vllm-proxy-backend"])
+    time.sleep(0.3)  # the flusher writes the index
+    for i in range(6):
+        body = {"model": MODEL, "messages": [messages[0], {"role": "user", "content": f"q{i} " * 30},
+                                              {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}],
+                "max_tokens": 2}
+        resp_b = httpx.post(b.url + "/v1/chat/completions", json=body)
+        resp_a_again = httpx.post(a.url + "/v1/chat/completions", json=body)
+        assert resp_b.headers["x-vllm-proxy-backend"] == resp_a_again.headers["x-vllm-proxy-backend"]
+        assert resp_b.headers["x-vllm-proxy-route"] == "prefix-hit"
+    assert sum(sim_of(s).stats()["prefix_cache"]["hits"] for s in sims) > 0
+
+
+def test_redis_outage_keeps_routing(servers: Servers) -> None:
+    """A Redis that is not there: requests still succeed on local state; the metric says so."""
+    sims = [servers.sim() for _ in range(2)]
+    proxy = servers.proxy_for(*sims, redis={"url": "redis://127.0.0.1:1/0"})
+    for i in range(10):
+        resp = httpx.post(proxy.url + "/v1/chat/completions",
+                          json={"model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2})
+        assert resp.status_code == 200
+    assert "vllm_proxy_redis_up 0.0" in httpx.get(proxy.url + "/metrics").text
+
+
+def test_explain_headers_can_be_switched_off(servers: Servers) -> None:
+    proxy = servers.proxy_for(servers.sim(), server={"explain_headers": False})
+    resp = httpx.post(proxy.url + "/v1/chat/completions",
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert resp.status_code == 200 and "x-vllm-proxy-backend" not in resp.headers
+    assert resp.headers["x-request-id"]

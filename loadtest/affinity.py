@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--user-chars", type=int, default=400, help="length of each user turn")
     add("--multi-turn", type=float, default=0.5, help="share of requests continuing an open conversation")
     add("--max-turns", type=int, default=6)
-    add("--requests", type=int, default=2000)
+    add("--requests", type=int, default=3000)
     add("--concurrency", type=int, default=16)
     add("--max-tokens", type=int, default=8)
     add("--seed", type=int, default=0)
@@ -141,6 +141,9 @@ def run_cell(shape: str, workload: Workload, sizing: dict, policy: str, routers:
         after = fleet.replica_counters()
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
     hits, queries = sum(d["hits"] for d in delta), sum(d["queries"] for d in delta)
+    if (hits, queries) != (sum(d["stats_hits"] for d in delta), sum(d["stats_queries"] for d in delta)):
+        print(f"warning: {shape} {policy} x{routers}: /metrics and /sim/stats prefix counters disagree",
+              file=sys.stderr)
     requests = [d["requests"] for d in delta]
     bodies = [workload.turns[i].body(spec) for i in load.sent_order]
     bound = pooled_hit_rate(bodies, model=spec.model, block_size=args.block_size, num_blocks=sizing["fleet_blocks"])

@@ -135,6 +135,7 @@ class Fleet:
             out.append({"queries": _counter(metrics, "vllm:prefix_cache_queries_total"),
                         "hits": _counter(metrics, "vllm:prefix_cache_hits_total"),
                         "requests": sum(stats["requests"].values()),
+                        "stats_hits": stats["prefix_cache"]["hits"], "stats_queries": stats["prefix_cache"]["queries"],
                         "evictions": stats["prefix_cache"]["evictions"]})
         return out
 

@@ -279,6 +279,7 @@ def main() -> None:
     summaries = {c.name: summarize(c) for c in contenders}
     print(f"\nforwarding overhead: {args.rounds} rounds x {args.duration:g} s, wrk -t1, "
           f"taskset={'on' if args.taskset else 'off'}, peers --policy {args.peer_policy}, "
+          f"proxy workers {args.proxy_workers or 'default'}, "
           f"took {time.monotonic() - started:.0f} s")
     print(table(summaries))
     for name, why in bench.skipped.items():

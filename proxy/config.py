@@ -52,12 +52,37 @@ class BackendConfig(Strict):
         return value
 
 
+class MediaUrlPolicy(Strict):
+    schemes: list[Literal["https", "http", "data"]] = ["https", "data"]
+    allowed_domains: list[str] = Field([], description="if set, media hosts must be one of these or below them")
+    block_internal: bool = Field(True, description="refuse loopback/private/link-local/metadata/reserved targets")
+    resolve_dns: bool = Field(False, description="also refuse names that resolve to non-public addresses")
+    dns_timeout_s: float = Field(0.5, gt=0)
+
+
+class MultimodalPolicy(Strict):
+    """What to do with images/audio/video and request-level multimodal kwargs."""
+
+    mode: Literal["route_to_trusted", "reject", "allow"] = "route_to_trusted"
+    allowed_kwargs: list[str] | None = Field(
+        None, description="mm_processor_kwargs keys that may pass; unset = any key"
+    )
+    on_disallowed_kwarg: Literal["reject", "strip"] = "reject"
+    max_items: dict[Literal["image", "audio", "video", "file", "other"], int] = Field(
+        {"image": 16, "audio": 4, "video": 2, "file": 4, "other": 16}, description="per modality per request"
+    )
+    max_data_url_bytes: int = Field(10 * 1024 * 1024, gt=0)
+    max_total_data_bytes: int = Field(20 * 1024 * 1024, gt=0)
+    urls: MediaUrlPolicy = MediaUrlPolicy()
+
+
 class DeploymentConfig(Strict):
     """A public model name clients send, mapped to an upstream model and optional LoRA adapter."""
 
     name: str = Field(min_length=1)
     model: str = Field(min_length=1)
     adapter: str | None = None
+    multimodal: dict | None = Field(None, description="overrides of the global multimodal policy, key by key")
 
 
 class AffinityConfig(Strict):
@@ -107,6 +132,7 @@ class ProxyConfig(Strict):
     routing: RoutingConfig = RoutingConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     redis: RedisConfig | None = None
+    multimodal: MultimodalPolicy = MultimodalPolicy()
 
     @model_validator(mode="after")
     def _consistent(self) -> "ProxyConfig":
@@ -114,7 +140,23 @@ class ProxyConfig(Strict):
         _unique("backends", [b.url for b in self.backends], what="url")
         if self.deployments:
             _unique("deployments", [d.name for d in self.deployments])
+            for i, d in enumerate(self.deployments):
+                if d.multimodal is not None:
+                    try:
+                        self.multimodal_for(d.name)
+                    except ValidationError as exc:
+                        first = exc.errors()[0]
+                        where = ".".join(str(p) for p in first["loc"])
+                        raise ValueError(f"deployments[{i}].multimodal.{where}: {first['msg']}") from None
         return self
+
+    def multimodal_for(self, deployment: str) -> MultimodalPolicy:
+        """The global multimodal policy with the deployment's overrides applied."""
+        for d in self.deployments or ():
+            if d.name == deployment and d.multimodal:
+                merged = self.multimodal.model_dump() | d.multimodal
+                return MultimodalPolicy.model_validate(merged)
+        return self.multimodal
 
 
 def _unique(section: str, values: list[str], what: str = "name") -> None:
@@ -150,7 +192,8 @@ def parse_config(data: object, source: str = "<config>") -> ProxyConfig:
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 msg = "unknown key"
-            problems.append(f"{_key_path(err['loc'])}: {msg}")
+            # model-level checks name their own key path in the message
+            problems.append(f"{_key_path(err['loc'])}: {msg}" if err["loc"] else msg)
         raise ConfigError(source, problems) from None
 
 

@@ -103,22 +103,26 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     request_id = _request_id(scope)
     id_header = [(b"x-request-id", request_id.encode("latin-1"))]
     metrics = rt.metrics
+    route = None
     try:
         body = await read_body(scope, receive, rt.max_body_bytes)
         parsed = parse_request(endpoint, body)
         route = rt.catalog.get(parsed.model)
         if route is None:
             raise model_not_found(parsed.model)
-        backend, reason = await choose(rt, route, parsed)
+        trusted_only = changed = False
+        if parsed.multimodal:
+            trusted_only, changed = await rt.multimodal.check(parsed, route)
+        backend, reason = await choose(rt, route, parsed, trusted_only)
     except ClientGone:
         return
     except ProxyError as err:
         await send_error(send, err, id_header)
-        deployment = "unknown"
+        deployment = route.name if route is not None else "unknown"
         metrics.child(metrics.requests, deployment, "none", endpoint, str(err.status)).inc()
         return
 
-    if route.rewrite:
+    if route.rewrite or changed:
         parsed.data["model"] = route.upstream_id
         body = orjson.dumps(parsed.data)
     headers = {**backend.headers, "X-Request-Id": request_id}
@@ -157,8 +161,11 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     metrics.child(metrics.duration, route.name, backend.name, endpoint).observe(time.perf_counter() - started)
 
 
-async def choose(rt: Runtime, route: Route, parsed: ParsedRequest) -> tuple[Backend, str]:
-    candidates = [b for b in route.backends if b.healthy]
+async def choose(rt: Runtime, route: Route, parsed: ParsedRequest, trusted_only: bool = False) -> tuple[Backend, str]:
+    if trusted_only:
+        candidates = [b for b in route.backends if b.healthy and b.config.trust_request_mm_kwargs]
+    else:
+        candidates = [b for b in route.backends if b.healthy]
     if not candidates:
         raise no_backend(route)
     return await rt.policy.pick(candidates, parsed, route)

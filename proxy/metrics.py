@@ -1,17 +1,97 @@
-"""Prometheus metrics of the proxy. Label values come only from the config (or `unknown`/`none`)."""
+"""Prometheus metrics of the proxy. Label values come only from the config (or `unknown`/`none`).
+
+One registry per app instance, so several proxies can live in one test process. Under
+`vllm-proxy serve --workers N` (N > 1) the CLI sets PROMETHEUS_MULTIPROC_DIR before the workers
+start: every worker then writes its values to mmap files there and /metrics (answered by any
+worker) merges them with prometheus_client's MultiProcessCollector.
+
+Hot-path cost: labelled children are cached (`child`, `series`), streams bucket their
+inter-token gaps locally and fold them into the histogram once per request (`fold`), and with
+`metrics.enabled: false` the per-request families hand out no-op children.
+"""
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 disable_created_metrics()  # the *_created series double the exposition for no operator value
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# End-to-end: LLM requests run from milliseconds (embeddings) to minutes (long generations).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Time to first token: fine where interactive targets live (< 500 ms), coarse up to a minute.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2,
+                3, 5, 10, 20, 30, 60)
+# Gaps between SSE data events: decode steps are ~5-100 ms, so 2.5-5 ms resolution there.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05,
+               0.06, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
+# Proxy overhead: tens of microseconds normally; milliseconds mean trouble (GC, a stalled loop).
+OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
+                    0.01, 0.025, 0.05, 0.1, 0.25, 1)
+
+
+def multiprocess_mode() -> bool:
+    """True in a worker of `serve --workers N`: values live in PROMETHEUS_MULTIPROC_DIR."""
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
+class _Noop:
+    """The child handed out for per-request families when metrics are disabled."""
+
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    dec = set = observe = inc
+
+
+NOOP = _Noop()
+
+
+def fold(histogram_child, counts: list[int], total: float) -> None:
+    """Add observations bucketed by the caller (counts[i]: how many fell in bucket i, i.e.
+    `bisect_left(upper_bounds, x)`; `total`: their sum) to a Histogram child in one go: one
+    increment per touched bucket instead of a scan and two locked increments per observation."""
+    if histogram_child is NOOP:
+        return
+    buckets = histogram_child._buckets  # prometheus_client internals, stable since 0.4
+    for i, n in enumerate(counts):
+        if n:
+            buckets[i].inc(n)
+    histogram_child._sum.inc(total)
+
+
+class Series:
+    """The labelled children of one (deployment, backend, endpoint), looked up once and cached."""
+
+    __slots__ = ("metrics", "labels", "statuses", "duration", "ttft", "itl", "overhead")
+
+    def __init__(self, metrics: "Metrics", deployment: str, backend: str, endpoint: str) -> None:
+        self.metrics = metrics
+        self.labels = (deployment, backend, endpoint)
+        self.statuses: dict[str, object] = {}
+        self.duration = metrics.child(metrics.duration, deployment, backend, endpoint)
+        self.ttft = metrics.child(metrics.ttft, deployment, backend)
+        self.itl = metrics.child(metrics.itl, deployment, backend)
+        self.overhead = metrics.child(metrics.overhead, endpoint)
+
+    def status(self, code: str):
+        found = self.statuses.get(code)
+        if found is None:
+            m = self.metrics
+            found = self.statuses[code] = m.child(m.requests, *self.labels, code)
+        return found
 
 
 class Metrics:
     """One registry per app instance, so several proxies can live in one test process."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.multiprocess = multiprocess_mode()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -22,10 +102,29 @@ class Metrics:
             "vllm_proxy_request_duration_seconds", "Request duration to the last byte.",
             ["deployment", "backend", "endpoint"], buckets=DURATION_BUCKETS, registry=r,
         )
-        self.in_flight = Gauge(
-            "vllm_proxy_in_flight_requests", "Requests being forwarded, per backend.", ["backend"], registry=r
+        self.ttft = Histogram(
+            "vllm_proxy_time_to_first_token_seconds",
+            "Streaming only: time from request arrival to the first SSE data event relayed.",
+            ["deployment", "backend"], buckets=TTFT_BUCKETS, registry=r,
         )
-        self.backend_up = Gauge("vllm_proxy_backend_up", "1 if the backend is healthy.", ["backend"], registry=r)
+        self.itl = Histogram(
+            "vllm_proxy_inter_token_latency_seconds",
+            "Streaming only: gaps between consecutive SSE data events (one per upstream chunk).",
+            ["deployment", "backend"], buckets=ITL_BUCKETS, registry=r,
+        )
+        self.overhead = Histogram(
+            "vllm_proxy_overhead_seconds",
+            "Time spent in the proxy per request, excluding waiting on the upstream.",
+            ["endpoint"], buckets=OVERHEAD_BUCKETS, registry=r,
+        )
+        self.in_flight = Gauge(
+            "vllm_proxy_in_flight_requests", "Requests being forwarded, per backend.", ["backend"], registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.backend_up = Gauge(
+            "vllm_proxy_backend_up", "1 if the backend is healthy.", ["backend"], registry=r,
+            multiprocess_mode="livemostrecent",
+        )
         self.decisions = Counter(
             "vllm_proxy_routing_decisions", "Routing decisions by policy and reason.", ["policy", "reason"],
             registry=r,
@@ -37,16 +136,72 @@ class Metrics:
             "vllm_proxy_client_disconnects", "Clients that went away before the response ended.",
             ["deployment", "phase"], registry=r,
         )
-        self.redis_up = Gauge("vllm_proxy_redis_up", "1 while the shared Redis state is reachable.", registry=r)
+        self.config_reloads = Counter(
+            "vllm_proxy_config_reloads", "Config reloads by result.", ["result"], registry=r
+        )
+        self.redis_up = Gauge(
+            "vllm_proxy_redis_up", "1 while the shared Redis state is reachable.", registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.multimodal = Counter(
+            "vllm_proxy_multimodal_requests", "Multimodal requests by deployment and policy decision.",
+            ["deployment", "decision"], registry=r,
+        )
+        # Scraped from each backend's /metrics (proxy/scrape.py), on the discovery interval.
+        self.backend_hit_ratio = Gauge(
+            "vllm_proxy_backend_prefix_cache_hit_ratio",
+            "Backend prefix-cache hit ratio (token hits / queries) since the previous scrape.",
+            ["backend"], registry=r, multiprocess_mode="livemostrecent",
+        )
+        self.backend_waiting = Gauge(
+            "vllm_proxy_backend_requests_waiting", "Requests queued in the backend (vllm:num_requests_waiting).",
+            ["backend"], registry=r, multiprocess_mode="livemostrecent",
+        )
+        self.backend_kv_usage = Gauge(
+            "vllm_proxy_backend_kv_cache_usage", "Backend KV-cache usage, 0..1 (vllm:kv_cache_usage_perc).",
+            ["backend"], registry=r, multiprocess_mode="livemostrecent",
+        )
+        # Families whose children are touched per request: no-ops when metrics are disabled.
+        self._per_request = {
+            id(f) for f in (self.requests, self.duration, self.ttft, self.itl, self.overhead, self.in_flight,
+                            self.decisions, self.upstream_errors, self.disconnects)
+        }
         self._children: dict[tuple, object] = {}
+        self._series: dict[tuple[str, str, str], Series] = {}
+        self._exposition_registry: CollectorRegistry | None = None
 
     def child(self, family, *labels: str):
         """Cached labelled child: `labels()` costs a lock and a dict build on every call."""
         key = (id(family), labels)
         found = self._children.get(key)
         if found is None:
-            found = self._children[key] = family.labels(*labels)
+            if not self.enabled and id(family) in self._per_request:
+                found = NOOP
+            else:
+                found = family.labels(*labels)
+            self._children[key] = found
+        return found
+
+    def series(self, deployment: str, backend: str, endpoint: str) -> Series:
+        key = (deployment, backend, endpoint)
+        found = self._series.get(key)
+        if found is None:
+            found = self._series[key] = Series(self, deployment, backend, endpoint)
         return found
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        if self._exposition_registry is None:
+            from prometheus_client import multiprocess
+
+            self._exposition_registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._exposition_registry)
+        return generate_latest(self._exposition_registry)
+
+    def process_exiting(self) -> None:
+        """Drop this worker's live gauges (in-flight, backend state) from the shared files."""
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(os.getpid())

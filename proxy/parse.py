@@ -17,12 +17,32 @@ EMBEDDINGS = "/v1/embeddings"
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 
 
+# Content-part types that carry only text; every other type is treated as media (so an
+# unknown or misspelled type can never slip past the multimodal gate).
+TEXT_PARTS = frozenset(("text", "input_text", "output_text", "refusal", "thinking"))
+# Request-level fields that vLLM >= 0.31 only accepts with --trust-request-mm-kwargs.
+MM_KWARGS = ("mm_processor_kwargs", "multi_modal_data", "media_io_kwargs")
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPart:
+    param: str  # e.g. messages[1].content[0]
+    kind: str  # the part's `type`
+    value: Any  # the part's payload (`part[kind]`), where URLs and data live
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     endpoint: str
     data: dict[str, Any]
     model: str
     stream: bool
+    media: list[MediaPart] | None = None  # None for text-only requests (the common, free case)
+    mm_kwargs: tuple[str, ...] = ()
+
+    @property
+    def multimodal(self) -> bool:
+        return self.media is not None or bool(self.mm_kwargs)
 
 
 def decode(body: bytes) -> dict[str, Any]:
@@ -59,8 +79,9 @@ def parse_request(endpoint: str, body: bytes) -> ParsedRequest:
         stream = False
     elif not isinstance(stream, bool):
         raise bad_request(f"`stream` must be a boolean, not {_json_type(stream)}.", param="stream", code="invalid_type")
+    media = None
     if endpoint == CHAT:
-        _check_messages(data.get("messages"))
+        media = _check_messages(data.get("messages"))
     elif endpoint == COMPLETIONS:
         _require(data, "prompt", (str, list))
     else:
@@ -68,14 +89,17 @@ def parse_request(endpoint: str, body: bytes) -> ParsedRequest:
     options = data.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("`stream_options` must be an object.", param="stream_options", code="invalid_type")
-    return ParsedRequest(endpoint, data, model, stream)
+    mm_kwargs = tuple(k for k in MM_KWARGS if data.get(k) is not None)
+    return ParsedRequest(endpoint, data, model, stream, media, mm_kwargs)
 
 
-def _check_messages(messages: object) -> None:
+def _check_messages(messages: object) -> list[MediaPart] | None:
+    """Checks the message list and collects its media parts in the same pass."""
     if messages is None:
         raise bad_request("Missing required parameter: `messages`.", param="messages", code="missing_required_parameter")
     if not isinstance(messages, list) or not messages:
         raise bad_request("`messages` must be a non-empty array.", param="messages", code="invalid_type")
+    media: list[MediaPart] | None = None
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad_request(f"`messages[{i}]` must be an object.", param=f"messages[{i}]", code="invalid_type")
@@ -84,12 +108,24 @@ def _check_messages(messages: object) -> None:
                 f"`messages[{i}].role` must be a string.", param=f"messages[{i}].role", code="invalid_type"
             )
         content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
             raise bad_request(
                 f"`messages[{i}].content` must be a string or an array of content parts.",
                 param=f"messages[{i}].content",
                 code="invalid_type",
             )
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(kind, str):
+                param = f"messages[{i}].content[{j}]"
+                raise bad_request(f"`{param}` must be an object with a string `type`.", param=param, code="invalid_type")
+            if kind not in TEXT_PARTS:
+                if media is None:
+                    media = []
+                media.append(MediaPart(f"messages[{i}].content[{j}]", kind, part.get(kind)))
+    return media
 
 
 def _require(data: dict[str, Any], key: str, types: tuple[type, ...]) -> None:

@@ -7,6 +7,7 @@ from proxy.config import ProxyConfig
 from proxy.forward import Upstream
 from proxy.health import Discovery
 from proxy.metrics import Metrics
+from proxy.multimodal import MultimodalGate
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route, build_catalog
 from proxy.routing.policies import make_policy
@@ -36,6 +37,9 @@ class Runtime:
         self.upstream = Upstream(config.server)
         self.discovery = Discovery(
             lambda: self.upstream.session, self.backends, config.discovery, self.rebuild_catalog, self._health_changed
+        )
+        self.multimodal = MultimodalGate(
+            config, lambda deployment, decision: self.metrics.child(self.metrics.multimodal, deployment, decision).inc()
         )
         self.max_body_bytes = config.server.max_body_bytes
         self.explain = config.server.explain_headers

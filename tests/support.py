@@ -43,3 +43,33 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class CaptureBackend:
+    """A minimal OpenAI-shaped upstream that records every request body it receives, for checking
+    what the proxy actually forwarded."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if scope["method"] == "GET":
+            payload = b'{"object":"list","data":[{"id":"%s","object":"model","parent":null}]}' % self.model.encode()
+        else:
+            self.bodies.append(body)
+            payload = (
+                b'{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"%s","choices":[{"index":0,'
+                b'"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
+                b'"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}' % self.model.encode()
+            )
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": payload})

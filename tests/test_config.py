@@ -45,7 +45,7 @@ def test_unknown_keys_and_types_are_errors() -> None:
 def test_missing_backends_and_duplicates() -> None:
     assert problems({}) == ["backends: Field required"]
     dup = problems({"backends": [{"name": "a", "url": "http://x:1"}, {"name": "a", "url": "http://x:2"}]})
-    assert dup == ["(top level): backends: duplicate name 'a'"]
+    assert dup == ["backends: duplicate name 'a'"]
     assert problems({"backends": [{"name": "a", "url": "http://x:1/v1"}]}) == [
         "backends[0].url: give the base URL without /v1"
     ]
@@ -69,3 +69,11 @@ def test_check_command_exit_codes(tmp_path: Path) -> None:
     broken = run_check(tmp_path, "backends: [\n")
     assert broken.returncode == 2 and "not valid YAML" in broken.stderr
     assert run_check(tmp_path, "- just\n- a list\n").returncode == 2
+
+
+def test_deployment_multimodal_overrides_are_checked_by_path() -> None:
+    found = problems({
+        "backends": [{"name": "a", "url": "http://x:1"}],
+        "deployments": [{"name": "d", "model": "m"}, {"name": "e", "model": "m", "multimodal": {"mode": "nope"}}],
+    })
+    assert found == ["deployments[1].multimodal.mode: Input should be 'route_to_trusted', 'reject' or 'allow'"]

@@ -148,8 +148,9 @@ def _forced_function(tools: list, choice: object) -> dict | None:
 
 def _tool_outputs(req: Request, function: dict, max_tokens: int) -> None:
     """Replace the text of every choice with JSON arguments for `function`, 4 characters a token."""
+    seed = hash(tuple(req.prompts[0]))  # ints hash the same in every process: replicas agree
     for i in range(len(req.outputs)):
-        arguments = _arguments(function, hash((req.tool, i, len(req.prompts[0]))))
+        arguments = _arguments(function, seed + i)
         pieces = [arguments[k:k + 4] for k in range(0, len(arguments), 4)]
         req.outputs[i] = pieces[:max_tokens]
         req.finish[i] = "tool_calls" if len(pieces) <= max_tokens else "length"

@@ -1,0 +1,163 @@
+"""Media URL guard: vLLM fetches image/audio/video URLs itself, follows redirects and by default
+reaches internal addresses (CVE-2025-6242), so the proxy refuses URLs that point inward.
+
+Hosts are judged in every spelling an HTTP client would accept: decimal, octal, hex and short
+IPv4 (`2130706433`, `0177.1`, `0x7f.1`, `127.1`), IPv6 with embedded IPv4 (mapped, compatible,
+NAT64, 6to4), internal names (`localhost`, `*.localhost`, `*.internal`, `*.local`), after
+Unicode normalisation (full-width digits) and with a trailing dot removed.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import time
+import unicodedata
+from urllib.parse import urlsplit
+
+INTERNAL_SUFFIXES = (".localhost", ".internal", ".local", ".localdomain", ".home.arpa")
+INTERNAL_NAMES = frozenset(("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"))
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_UNSAFE_CHARS = frozenset("\\ \t\r\n")
+
+
+class Forbidden(ValueError):
+    """The URL may not be fetched; the message says why."""
+
+
+def _loose_ipv4(host: str) -> ipaddress.IPv4Address | None:
+    """inet_aton's reading of `host` (1-4 parts, each decimal, 0-octal or 0x-hex), or None."""
+    parts = host.split(".")
+    if not 1 <= len(parts) <= 4:
+        return None
+    values = []
+    for part in parts:
+        try:
+            if part[:2] in ("0x", "0X"):
+                values.append(int(part[2:] or "0", 16))
+            elif len(part) > 1 and part[0] == "0":
+                values.append(int(part[1:], 8))
+            else:
+                values.append(int(part, 10))
+        except ValueError:
+            return None
+    *head, last = values
+    if any(v > 255 for v in head) or last >= 256 ** (5 - len(values)):
+        return None
+    number = 0
+    for v in head:
+        number = number << 8 | v
+    number = number << 8 * (5 - len(values)) | last
+    return ipaddress.IPv4Address(number)
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip in _NAT64 or (int(ip) >> 32 == 0 and int(ip) > 1):  # NAT64 or deprecated IPv4-compatible ::a.b.c.d
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
+def check_ip(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
+    if isinstance(ip, ipaddress.IPv6Address):
+        inner = _embedded_ipv4(ip)
+        if inner is not None:
+            check_ip(inner)
+    if ip.is_multicast or ip.is_unspecified or ip.is_loopback or ip.is_link_local or ip.is_private or not ip.is_global:
+        raise Forbidden(f"address {ip} is not a public internet address")
+
+
+def normalise_host(raw: str) -> str:
+    host = unicodedata.normalize("NFKC", raw).lower().rstrip(".")
+    if not host:
+        raise Forbidden("URL has no host")
+    if not host.isascii():
+        try:
+            host = host.encode("idna").decode("ascii")
+        except UnicodeError:
+            raise Forbidden("host name is not a valid internationalised name") from None
+    return host
+
+
+def host_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address a host string denotes, in any spelling; None for a real name."""
+    if host.startswith("[") or ":" in host:
+        try:
+            return ipaddress.IPv6Address(host.strip("[]"))
+        except ValueError:
+            raise Forbidden("malformed IPv6 host") from None
+    return _loose_ipv4(host)
+
+
+def check_url(
+    url: str, schemes: frozenset[str], allowed_domains: tuple[str, ...] = (), block_internal: bool = True
+) -> tuple[str, str | None]:
+    """Raises Forbidden unless `url` is fetchable; returns (scheme, host name to resolve or None)."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme not in schemes:
+        allowed = ", ".join(sorted(schemes))
+        raise Forbidden(f"URL scheme {scheme or '(none)'!r} is not allowed (allowed: {allowed})")
+    if scheme == "data":
+        return scheme, None
+    if any(c in _UNSAFE_CHARS or ord(c) < 32 for c in url):
+        raise Forbidden("URL contains backslashes, whitespace or control characters")
+    rest = url.split(":", 1)[1]
+    if not rest.startswith("//"):
+        raise Forbidden("URL has no host")
+    authority = rest[2:].split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+    if "@" in authority:
+        raise Forbidden("URL contains credentials")
+    if "%" in authority:
+        raise Forbidden("URL host contains percent-escapes")
+    try:
+        netloc_host = urlsplit(url).hostname
+    except ValueError:
+        raise Forbidden("malformed URL") from None
+    host = normalise_host(netloc_host or "")
+    literal = host_literal(host)
+    name = None if literal is not None else host
+    if block_internal:
+        if literal is not None:
+            check_ip(literal)
+        elif host in INTERNAL_NAMES or host.endswith(INTERNAL_SUFFIXES) or "." not in host:
+            raise Forbidden(f"host {host!r} is an internal name")
+    if allowed_domains and not any(host == d or host.endswith("." + d) for d in allowed_domains):
+        raise Forbidden(f"host {host!r} is not in the allowed domains")
+    return scheme, name
+
+
+class Resolver:
+    """Optional DNS check: every address a name resolves to must be public. Small TTL cache."""
+
+    def __init__(self, timeout_s: float = 0.5, ttl_s: float = 60.0, max_entries: int = 4096) -> None:
+        self.timeout = timeout_s
+        self.ttl = ttl_s
+        self.max_entries = max_entries
+        self._cache: dict[str, tuple[float, str | None]] = {}
+
+    async def check(self, host: str) -> None:
+        now = time.monotonic()
+        cached = self._cache.get(host)
+        if cached is None or cached[0] < now:
+            verdict = await self._resolve(host)
+            if len(self._cache) >= self.max_entries:
+                self._cache.clear()
+            self._cache[host] = cached = (now + self.ttl, verdict)
+        if cached[1] is not None:
+            raise Forbidden(cached[1])
+
+    async def _resolve(self, host: str) -> str | None:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(loop.getaddrinfo(host, None, type=socket.SOCK_STREAM), self.timeout)
+        except (OSError, asyncio.TimeoutError):
+            return f"host {host!r} could not be resolved"
+        for info in infos:
+            try:
+                check_ip(ipaddress.ip_address(info[4][0].split("%", 1)[0]))
+            except Forbidden as exc:
+                return f"host {host!r} resolves to a non-public address ({exc})"
+        return None

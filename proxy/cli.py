@@ -19,6 +19,7 @@ def uvicorn_options(config: ProxyConfig) -> dict:
         "lifespan": "on",
         "access_log": False,
         "server_header": False,
+        "proxy_headers": False,  # X-Forwarded-* rewriting costs per request and we log no client IPs
         "timeout_keep_alive": config.server.keep_alive_s,
         "log_level": "warning",
     }
@@ -44,7 +45,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port, workers = config.server.host, config.server.port, config.server.workers
     print(f"vllm-proxy serving http://{host}:{port}/v1 ({workers} worker{'s' if workers > 1 else ''})", flush=True)
     if workers > 1:
-        uvicorn.run("proxy.cli:app_from_env", factory=True, host=host, port=port, workers=workers, **options)
+        from proxy.metrics import prepare_multiprocess_dir
+
+        cleanup = prepare_multiprocess_dir()  # before the workers start: they write their metrics there
+        try:
+            uvicorn.run("proxy.cli:app_from_env", factory=True, host=host, port=port, workers=workers, **options)
+        finally:
+            cleanup()
     else:
         from proxy.app import ProxyApp
 

@@ -89,8 +89,9 @@ def parse_request(endpoint: str, body: bytes) -> ParsedRequest:
     options = data.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("`stream_options` must be an object.", param="stream_options", code="invalid_type")
-    mm_kwargs = tuple(k for k in MM_KWARGS if data.get(k) is not None)
-    return ParsedRequest(endpoint, data, model, stream, media, mm_kwargs)
+    if "mm_processor_kwargs" in data or "multi_modal_data" in data or "media_io_kwargs" in data:
+        return ParsedRequest(endpoint, data, model, stream, media, tuple(k for k in MM_KWARGS if data.get(k) is not None))
+    return ParsedRequest(endpoint, data, model, stream, media)
 
 
 def _check_messages(messages: object) -> list[MediaPart] | None:

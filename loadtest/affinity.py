@@ -162,12 +162,12 @@ def run_cell(shape: str, workload: Workload, sizing: dict, policy: str, routers:
 
 
 def print_table(cells: list[dict]) -> None:
-    head = (f"{'shape':<7}{'policy':<22}{'rt':>3}{'hit':>7}{'bound':>7}{'share':>7}{'max/mean':>9}"
+    head = (f"{'shape':<7}{'policy':<28}{'rt':>3}{'hit':>7}{'bound':>7}{'share':>7}{'max/mean':>9}"
             f"{'ttft50':>8}{'ttft99':>8}{'wall_s':>7}{'err':>5}")
     print(head)
     print("-" * len(head))
     for c in cells:
-        print(f"{c['shape']:<7}{c['policy']:<22}{c['routers']:>3}{c['hit_rate']:>7.3f}{c['bound']:>7.3f}"
+        print(f"{c['shape']:<7}{c['policy']:<28}{c['routers']:>3}{c['hit_rate']:>7.3f}{c['bound']:>7.3f}"
               f"{c['share_of_bound']:>7.3f}{c['max_over_mean']:>9.2f}{c['ttft_p50_ms']:>8.1f}{c['ttft_p99_ms']:>8.1f}"
               f"{c['wall_s']:>7.1f}{c['errors']:>5}")
     print("(hit: fleet prefix-cache hit rate from replica counters; bound: pooled LRU of the fleet's size; "
@@ -178,14 +178,14 @@ def print_table(cells: list[dict]) -> None:
         b = base.get((c["shape"], c["routers"]))
         if b is None or c is b:
             continue
-        lines.append(f"  {c['shape']:<7}{c['policy']:<22}x{c['routers']}: share {c['share_of_bound']:.3f} vs "
+        lines.append(f"  {c['shape']:<7}{c['policy']:<28} x{c['routers']}: share {c['share_of_bound']:.3f} vs "
                      f"{b['share_of_bound']:.3f} round robin ({c['share_of_bound'] / b['share_of_bound']:.2f}x), "
                      f"TTFT p50 {c['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x")
     one = {(c["shape"], c["policy"]): c for c in cells if c["routers"] == 1}
     for c in cells:
         o = one.get((c["shape"], c["policy"]))
         if c["routers"] > 1 and o is not None:
-            lines.append(f"  {c['shape']:<7}{c['policy']:<22}x{c['routers']} vs x1: share "
+            lines.append(f"  {c['shape']:<7}{c['policy']:<28} x{c['routers']} vs x1: share "
                          f"{c['share_of_bound'] / o['share_of_bound']:.2f}x, max/mean {c['max_over_mean']:.2f} vs "
                          f"{o['max_over_mean']:.2f}")
     if lines:

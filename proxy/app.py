@@ -4,8 +4,9 @@ from __future__ import annotations
 import logging
 
 from proxy import endpoints, inference
-from proxy.asgi import Receive, Scope, Send
+from proxy.asgi import Receive, Scope, Send, send_error
 from proxy.config import ProxyConfig
+from proxy.errors import ProxyError
 from proxy.parse import CHAT, COMPLETIONS, EMBEDDINGS
 from proxy.runtime import Runtime
 
@@ -20,6 +21,8 @@ GETS = {
     "/ready": endpoints.ready,
     "/metrics": endpoints.metrics,
 }
+
+OPEN_PATHS = frozenset(("/health", "/ready"))
 
 
 class ProxyApp:
@@ -38,6 +41,12 @@ class ProxyApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         rt = self.runtime
+        if rt.auth is not None and path not in OPEN_PATHS and (path != "/metrics" or rt.auth.protect_metrics):
+            try:
+                scope["vllm_proxy.client"] = rt.auth.client(scope)
+            except ProxyError as err:
+                await send_error(send, err)
+                return
         endpoint = INFERENCE.get(path)
         if endpoint is not None:
             if scope["method"] == "POST":

@@ -83,6 +83,19 @@ class DeploymentConfig(Strict):
     model: str = Field(min_length=1)
     adapter: str | None = None
     multimodal: dict | None = Field(None, description="overrides of the global multimodal policy, key by key")
+    adapter_path: str | None = Field(
+        None, min_length=1, description="LoRA adapter: load it on demand from this path (vLLM `lora_path`)"
+    )
+    min_replicas: int = Field(0, ge=0, description="LoRA adapter: replicas it stays loaded on even when idle")
+    max_replicas: int | None = Field(None, ge=1, description="LoRA adapter: most replicas a hot adapter spreads to")
+
+    @model_validator(mode="after")
+    def _adapter_fields(self) -> "DeploymentConfig":
+        if self.adapter is None and (self.adapter_path or self.min_replicas or self.max_replicas is not None):
+            raise ValueError("adapter_path, min_replicas and max_replicas need `adapter`")
+        if self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
 
 
 class AffinityConfig(Strict):
@@ -94,12 +107,48 @@ class AffinityConfig(Strict):
     index_blocks_per_backend: int = Field(
         50_000, ge=1, description="local index entries per replica (about its prefix-cache size in blocks)"
     )
-    shared_ttl_s: float = Field(600.0, gt=0, description="lifetime of a prefix entry in Redis")
+    shared_ttl_s: float = Field(600.0, gt=0, description="lifetime of a prefix entry / tenant placement in Redis")
+    load_window_s: float = Field(
+        30.0, gt=0, description="time constant of the smoothed load (decayed count of requests routed per replica)"
+    )
+    load_slack: float = Field(
+        8.0, ge=0, description="requests a replica may exceed the (1+eps) x mean bound by (absorbs noise and warm-up)"
+    )
+    continuation_slack: float = Field(
+        0.1, ge=0, description="extra relative headroom a conversation's continuation gets on the replica holding it"
+    )
+    queue_slack: int = Field(
+        4, ge=0, description="in-flight guard: skip a replica with more than ceil((1+eps) x mean) + this in flight"
+    )
+    grow_min_share: float = Field(
+        0.25, ge=0, description="a tenant whose traffic is below this fraction of one replica's stays on its replicas up "
+        "to the looser (continuation) bound instead of growing its replica set"
+    )
+    cool_down_s: float = Field(
+        30.0, gt=0, description="a tenant's replica set shrinks only this long after it last changed"
+    )
 
 
 class RoutingConfig(Strict):
     policy: Literal["prefix_affinity", "least_loaded", "round_robin"] = "prefix_affinity"
     prefix_affinity: AffinityConfig = AffinityConfig()
+
+
+class LoraConfig(Strict):
+    """LoRA adapter management (proxy/lora.py): on-demand loads, eviction, replication of hot adapters."""
+
+    max_adapters_per_replica: int | None = Field(
+        None, ge=1, description="before loading beyond it, unload the least recently used idle adapter; unset = no limit"
+    )
+    load_timeout_s: float = Field(60.0, gt=0, description="longest a request waits for an on-demand load")
+    backoff_s: float = Field(5.0, gt=0, description="first pause before a failed replica is retried for an adapter")
+    backoff_max_s: float = Field(300.0, gt=0, description="the pause doubles per failure up to this")
+    replicate: bool = Field(True, description="load hot adapters on more replicas, unload the extra ones when cool")
+    replicate_min_in_flight: int = Field(
+        4, ge=1, description="a hot adapter spreads only when each of its replicas carries at least this many requests"
+    )
+    cool_down_s: float = Field(30.0, gt=0, description="an adapter this long under its bound loses a replica")
+    rebalance_interval_s: float = Field(1.0, gt=0, description="period of the min_replicas / shrink check")
 
 
 class DiscoveryConfig(Strict):
@@ -108,6 +157,30 @@ class DiscoveryConfig(Strict):
     interval_s: float = Field(5.0, gt=0)
     timeout_s: float = Field(2.0, gt=0)
     failures_to_down: int = Field(2, ge=1)
+
+
+class ApiKey(Strict):
+    """One client key: give its SHA-256 hex digest, or name an env var or file holding the key."""
+
+    name: str = Field(min_length=1, description="who holds the key (logged instead of the key)")
+    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
+    key_env: str | None = None
+    key_file: str | None = None
+    deployments: list[str] | None = Field(None, description="deployments this key may use; unset = all")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ApiKey":
+        if sum(x is not None for x in (self.sha256, self.key_env, self.key_file)) != 1:
+            raise ValueError("give exactly one of sha256, key_env, key_file")
+        return self
+
+
+class AuthConfig(Strict):
+    keys: list[ApiKey] = []
+    protect_metrics: bool = False
+    admin_key_env: str | None = Field(
+        None, description="env var holding the key for POST /admin/reload; unset disables the endpoint"
+    )
 
 
 class RedisConfig(Strict):
@@ -125,6 +198,24 @@ class RedisConfig(Strict):
         return value
 
 
+class MetricsConfig(Strict):
+    """Prometheus metrics at /metrics (see proxy/metrics.py)."""
+
+    enabled: bool = Field(True, description="per-request metrics; off: /metrics shows only backend state")
+    scrape_backends: bool = Field(
+        True, description="read each backend's /metrics on the discovery interval (queue, KV cache, hit ratio)"
+    )
+
+
+class LoggingConfig(Strict):
+    """The structured access log: one JSON line per request on logger `vllm_proxy.access`."""
+
+    access_log: bool = True
+    level: Literal["debug", "info", "warning"] = Field("info", description="level of the access-log records")
+    sample: float = Field(1.0, ge=0, le=1, description="fraction of requests logged")
+    file: str | None = Field(None, description="append the lines to this file instead of stdout")
+
+
 class ProxyConfig(Strict):
     server: ServerConfig = ServerConfig()
     backends: list[BackendConfig] = Field(min_length=1)
@@ -133,6 +224,10 @@ class ProxyConfig(Strict):
     discovery: DiscoveryConfig = DiscoveryConfig()
     redis: RedisConfig | None = None
     multimodal: MultimodalPolicy = MultimodalPolicy()
+    auth: AuthConfig = AuthConfig()
+    lora: LoraConfig = LoraConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "ProxyConfig":

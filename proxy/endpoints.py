@@ -25,13 +25,19 @@ def model_card(route: Route) -> dict:
     }
 
 
+def _visible(scope: Scope, route: Route | None) -> bool:
+    client = scope.get("vllm_proxy.client")
+    return route is not None and (client is None or client.may_use(route.name))
+
+
 async def list_models(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
-    await send_json(send, 200, {"object": "list", "data": [model_card(r) for r in rt.catalog.values()]})
+    cards = [model_card(r) for r in rt.catalog.values() if _visible(scope, r)]
+    await send_json(send, 200, {"object": "list", "data": cards})
 
 
 async def get_model(rt: Runtime, scope: Scope, receive: Receive, send: Send, model_id: str) -> None:
     route = rt.catalog.get(model_id)
-    if route is None:
+    if not _visible(scope, route):
         await send_error(send, model_not_found(model_id))
     else:
         await send_json(send, 200, model_card(route))

@@ -6,6 +6,9 @@ aiohttp, not httpx's default transport: measured, httpx's pool collapses under c
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
+from time import perf_counter
+
 import aiohttp
 
 from proxy.asgi import Headers, Send
@@ -25,12 +28,32 @@ class UpstreamFailure(ProxyError):
 
 
 class Progress:
-    """What the client has seen of one exchange (for disconnect phases and latency metrics)."""
+    """What the client has seen of one exchange (for disconnect phases and latency metrics).
 
-    __slots__ = ("started",)
+    Timestamps are time.perf_counter() values. `itl` (a DeferredHistogram of proxy/metrics.py:
+    `bounds`, `counts`, `sum`) asks the stream relay to time SSE data events and count the gaps
+    between them into it; None relays without looking at the chunks.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("started", "arrival", "itl", "proxy_s", "relay_at", "first_at", "tail", "body")
+
+    def __init__(self, arrival: float = 0.0, itl=None) -> None:
         self.started = False
+        self.arrival = arrival  # request arrival
+        self.itl = itl
+        self.proxy_s = 0.0  # proxy time so far: arrival -> upstream request, upstream headers -> our headers
+        self.relay_at = 0.0  # non-streaming: when the upstream body was read (proxy time runs from there)
+        self.first_at = 0.0  # streaming: when the first SSE data event was relayed (0: none yet)
+        self.tail: bytes | None = None  # streaming: the last chunk with a data event other than [DONE]
+        self.body: bytes | None = None  # non-streaming: the body relayed
+
+    def ttft(self) -> float | None:
+        return self.first_at - self.arrival if self.first_at else None
+
+    def overhead(self, ended: float) -> float:
+        """Seconds spent in the proxy, not waiting on the upstream: until the upstream request went
+        out, from its response headers to ours and, for a plain body, from reading it to the end."""
+        return self.proxy_s + (ended - self.relay_at if self.relay_at else 0.0)
 
 
 class Upstream:
@@ -78,6 +101,7 @@ class Upstream:
         byte of a stream, a failure ends the stream with an SSE error event instead.
         """
         assert self.session is not None
+        progress.proxy_s = perf_counter() - progress.arrival
         try:
             resp = await self.session.post(url, data=body, headers=headers)
         except asyncio.TimeoutError:
@@ -86,12 +110,14 @@ class Upstream:
             raise UpstreamFailure("connect", 502, f"Cannot connect to the model server: {exc.strerror or exc}") from None
         except aiohttp.ClientError as exc:
             raise UpstreamFailure("reset", 502, f"The model server closed the connection: {exc}") from None
+        headers_at = perf_counter()
         try:
             status = resp.status
             ctype = resp.headers.get("Content-Type", "application/json").encode("latin-1")
             if status < 400 and ctype.startswith(b"text/event-stream"):
                 progress.started = True
-                await self._relay_stream(resp, send, [(b"content-type", ctype), *SSE_HEADERS, *response_headers], rename)
+                headers_out = [(b"content-type", ctype), *SSE_HEADERS, *response_headers]
+                await self._relay_stream(resp, send, headers_out, rename, progress, headers_at)
                 return status
             try:
                 payload = await resp.read()
@@ -99,11 +125,17 @@ class Upstream:
                 raise UpstreamFailure("timeout", 504, "The model server stopped answering.") from None
             except aiohttp.ClientError as exc:
                 raise UpstreamFailure("reset", 502, f"The model server broke off its answer: {exc}") from None
+            read_at = perf_counter()
             if status >= 400:
                 payload, ctype = normalise_upstream_error(status, payload), JSON
             elif rename is not None:
                 payload = payload.replace(*rename)
-            headers_out = [(b"content-type", ctype), (b"content-length", b"%d" % len(payload)), *response_headers]
+            # headers go out before the body: the header counts proxy time up to this point
+            overhead_ms = b"%.3f" % ((progress.proxy_s + perf_counter() - read_at) * 1000.0)
+            headers_out = [(b"content-type", ctype), (b"content-length", b"%d" % len(payload)),
+                           (b"x-vllm-proxy-overhead-ms", overhead_ms), *response_headers]
+            progress.relay_at = read_at
+            progress.body = payload
             progress.started = True
             await send({"type": "http.response.start", "status": status, "headers": headers_out})
             await send({"type": "http.response.body", "body": payload})
@@ -115,16 +147,21 @@ class Upstream:
             resp.release()
 
     async def _relay_stream(
-        self, resp: aiohttp.ClientResponse, send: Send, headers: Headers, rename: tuple[bytes, bytes] | None
+        self, resp: aiohttp.ClientResponse, send: Send, headers: Headers, rename: tuple[bytes, bytes] | None,
+        progress: Progress, headers_at: float,
     ) -> None:
         if resp.connection is not None:
             resp.connection.protocol.read_timeout = self.idle_timeout  # first byte came; now the idle gap
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        progress.proxy_s += perf_counter() - headers_at
         try:
-            async for chunk in resp.content.iter_any():
-                if rename is not None:
-                    chunk = chunk.replace(*rename)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if progress.itl is None:
+                async for chunk in resp.content.iter_any():
+                    if rename is not None:
+                        chunk = chunk.replace(*rename)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            else:
+                await _relay_timed(resp, send, rename, progress)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "reset"
             failure = UpstreamFailure(kind, 502, f"The model server failed mid-stream ({kind}).")
@@ -140,3 +177,58 @@ class StreamBroken(Exception):
     def __init__(self, failure: UpstreamFailure) -> None:
         super().__init__(failure.message)
         self.failure = failure
+
+
+async def _relay_timed(
+    resp: aiohttp.ClientResponse, send: Send, rename: tuple[bytes, bytes] | None, progress: Progress
+) -> None:
+    """The relay loop, timing SSE data events without parsing them: a substring test per chunk,
+    one clock read and one bisect per chunk that carries a data event, no allocation.
+
+    One gap is counted per upstream chunk, however many events it carries: events that arrive
+    together were flushed by one engine step (the n choices of a step, or output the engine
+    coalesced), and counting the zero gaps between them would drag the distribution to 0.
+    `data: [DONE]` carries no token and is skipped; each gap is committed when the next data
+    chunk arrives, and the last one only if its chunk is not the usage-only event
+    (`"choices":[]`, sent with stream_options.include_usage), which is no token either.
+    """
+    itl = progress.itl
+    bounds, counts = itl.bounds, itl.counts
+    started = False
+    last = total = gap = 0.0
+    pending = -1  # bucket of the gap not yet committed
+    tail = None
+    try:
+        async for chunk in resp.content.iter_any():
+            if rename is not None:
+                chunk = chunk.replace(*rename)
+            if started:
+                if b"data:" in chunk and not chunk.startswith(b"data: [DONE]"):
+                    if pending >= 0:
+                        counts[pending] += 1
+                        total += gap
+                    now = perf_counter()
+                    gap = now - last
+                    last = now
+                    pending = bisect_left(bounds, gap)
+                    tail = chunk
+            elif b"data:" in chunk:
+                last = progress.first_at = perf_counter()
+                started = True
+                tail = chunk
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    finally:
+        if pending >= 0 and not _usage_first(tail):
+            counts[pending] += 1
+            total += gap
+        itl.sum += total
+        progress.tail = tail
+
+
+def _usage_first(chunk: bytes) -> bool:
+    """Whether the chunk's first event is the usage-only one (`"choices":[]`), not a token event."""
+    at = chunk.find(b'"choices":[]')
+    if at < 0:
+        return False
+    second = chunk.find(b"data:", 5)
+    return second < 0 or second > at

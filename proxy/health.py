@@ -58,6 +58,7 @@ class Discovery:
 
     async def poll(self, backend: Backend) -> bool:
         """One probe; returns True if the backend's served set changed."""
+        epoch = backend.adapter_epoch
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
             headers = {k: v for k, v in backend.headers.items() if k == "Authorization"}
@@ -80,7 +81,9 @@ class Discovery:
         changed = False
         if backend.config.models is None and models != backend.models:
             backend.models, changed = models, True
-        if backend.config.adapters is None and adapters != backend.adapters:
+        # an answer that raced the proxy's own load/unload on this replica is stale: skip it
+        fresh = backend.adapter_ops == 0 and backend.adapter_epoch == epoch
+        if backend.config.adapters is None and adapters != backend.adapters and fresh:
             backend.adapters, changed = adapters, True
         return changed
 

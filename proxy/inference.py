@@ -108,7 +108,7 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         body = await read_body(scope, receive, rt.max_body_bytes)
         parsed = parse_request(endpoint, body)
         route = rt.catalog.get(parsed.model)
-        if route is None:
+        if route is None or ("vllm_proxy.client" in scope and not scope["vllm_proxy.client"].may_use(route.name)):
             raise model_not_found(parsed.model)
         trusted_only = changed = False
         if parsed.multimodal:
@@ -120,6 +120,9 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         await send_error(send, err, id_header)
         deployment = route.name if route is not None else "unknown"
         metrics.child(metrics.requests, deployment, "none", endpoint, str(err.status)).inc()
+        if rt.access is not None and rt.access.wanted():
+            rt.access.write(request_id, endpoint, deployment, "none", None, str(err.status), False,
+                            time.perf_counter() - started)
         return
 
     if route.rewrite or changed:
@@ -133,9 +136,11 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
 
     status = "502"
     backend.in_flight += 1
+    if route.adapter is not None: rt.lora.acquire(backend, route.adapter)  # noqa: E701 (LoRA in-flight, proxy/lora.py)
     in_flight = metrics.child(metrics.in_flight, backend.name)
     in_flight.inc()
-    progress = Progress()
+    series = metrics.series(route.name, backend.name, endpoint)
+    progress = Progress(started, series.stream_sink)
     watch = DisconnectWatch(receive)
     try:
         status = str(await rt.upstream.exchange(
@@ -156,9 +161,23 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     finally:
         watch.stop()
         backend.in_flight -= 1
+        if route.adapter is not None: rt.lora.release(backend, route.adapter)  # noqa: E701
         in_flight.dec()
-    metrics.child(metrics.requests, route.name, backend.name, endpoint, status).inc()
-    metrics.child(metrics.duration, route.name, backend.name, endpoint).observe(time.perf_counter() - started)
+    # metrics and the access log (proxy/metrics.py, proxy/accesslog.py)
+    ended = time.perf_counter()
+    series.status(status).inc()
+    series.duration.observe(ended - started)
+    overhead = ttft = None
+    if progress.started:
+        overhead = progress.overhead(ended)
+        series.overhead.observe(overhead)
+        ttft = progress.ttft()
+        if ttft is not None:
+            series.ttft.observe(ttft)
+    access = rt.access
+    if access is not None and access.wanted():
+        access.write(request_id, endpoint, route.name, backend.name, reason, status, parsed.stream, ended - started,
+                     ttft, overhead, progress.tail if parsed.stream else progress.body)
 
 
 async def choose(rt: Runtime, route: Route, parsed: ParsedRequest, trusted_only: bool = False) -> tuple[Backend, str]:
@@ -166,6 +185,8 @@ async def choose(rt: Runtime, route: Route, parsed: ParsedRequest, trusted_only:
         candidates = [b for b in route.backends if b.healthy and b.config.trust_request_mm_kwargs]
     else:
         candidates = [b for b in route.backends if b.healthy]
+    if route.adapter is not None:  # only replicas holding the adapter; loads it on demand (proxy/lora.py)
+        return await rt.lora.choose(rt.policy, route, candidates, parsed)
     if not candidates:
         raise no_backend(route)
     return await rt.policy.pick(candidates, parsed, route)

@@ -5,13 +5,19 @@ One registry per app instance, so several proxies can live in one test process. 
 start: every worker then writes its values to mmap files there and /metrics (answered by any
 worker) merges them with prometheus_client's MultiProcessCollector.
 
-Hot-path cost: labelled children are cached (`child`, `series`), streams bucket their
-inter-token gaps locally and fold them into the histogram once per request (`fold`), and with
+Hot-path cost: labelled children are cached (`child`, `series`) and deferred (plain-Python
+arithmetic, flushed into prometheus_client before each exposition), and with
 `metrics.enabled: false` the per-request families hand out no-op children.
 """
 from __future__ import annotations
 
+import asyncio
+import glob
 import os
+from bisect import bisect_left
+import shutil
+import tempfile
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
@@ -37,6 +43,21 @@ def multiprocess_mode() -> bool:
     return bool(os.environ.get(MULTIPROC_ENV))
 
 
+def prepare_multiprocess_dir() -> Callable[[], None]:
+    """For `serve --workers N`: point PROMETHEUS_MULTIPROC_DIR at an empty directory before the
+    workers start (they inherit the environment) and return the cleanup to run after they stop.
+    A directory the operator set is reused, emptied of the previous run's files."""
+    existing = os.environ.get(MULTIPROC_ENV)
+    if existing:
+        os.makedirs(existing, exist_ok=True)
+        for stale in glob.glob(os.path.join(existing, "*.db")):
+            os.remove(stale)
+        return lambda: None
+    path = tempfile.mkdtemp(prefix="vllm-proxy-metrics-")
+    os.environ[MULTIPROC_ENV] = path
+    return lambda: shutil.rmtree(path, ignore_errors=True)
+
+
 class _Noop:
     """The child handed out for per-request families when metrics are disabled."""
 
@@ -47,27 +68,92 @@ class _Noop:
 
     dec = set = observe = inc
 
+    def flush(self) -> None:
+        pass
+
 
 NOOP = _Noop()
 
 
-def fold(histogram_child, counts: list[int], total: float) -> None:
-    """Add observations bucketed by the caller (counts[i]: how many fell in bucket i, i.e.
-    `bisect_left(upper_bounds, x)`; `total`: their sum) to a Histogram child in one go: one
-    increment per touched bucket instead of a scan and two locked increments per observation."""
-    if histogram_child is NOOP:
-        return
-    buckets = histogram_child._buckets  # prometheus_client internals, stable since 0.4
-    for i, n in enumerate(counts):
-        if n:
-            buckets[i].inc(n)
-    histogram_child._sum.inc(total)
+# Per-request families are written through these deferred children: plain-Python arithmetic on
+# the hot path (~0.1 us instead of ~0.3 us per counter increment and ~0.8 us per histogram
+# observation with their per-call locks and bucket scans), pushed into the prometheus_client
+# children by `Metrics.flush()`: before every exposition, and every second in a worker of
+# `serve --workers N` (whose values other workers' /metrics read from the shared files).
+# Everything runs on the event loop thread, so no locking is needed.
+
+class DeferredCounter:
+    __slots__ = ("child", "pending")
+
+    def __init__(self, child) -> None:
+        self.child = child
+        self.pending = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.pending += amount
+
+    def flush(self) -> None:
+        if self.pending:
+            self.child.inc(self.pending)
+            self.pending = 0.0
+
+
+class DeferredGauge:
+    __slots__ = ("child", "value", "shown")
+
+    def __init__(self, child) -> None:
+        self.child = child
+        self.value = 0.0
+        self.shown = None
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def flush(self) -> None:
+        if self.value != self.shown:
+            self.child.set(self.value)
+            self.shown = self.value
+
+
+class DeferredHistogram:
+    """`counts[i]` counts observations in bucket i = bisect_left(bounds, x); the stream relay
+    increments `counts` itself (see proxy/forward.py) and adds its total to `sum`."""
+
+    __slots__ = ("child", "bounds", "counts", "sum")
+
+    def __init__(self, child, bounds: list[float]) -> None:
+        self.child = child
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+    def flush(self) -> None:
+        counts = self.counts
+        if not any(counts):
+            return
+        buckets = self.child._buckets  # prometheus_client internals (one value per bucket), stable since 0.4
+        for i, n in enumerate(counts):
+            if n:
+                buckets[i].inc(n)
+                counts[i] = 0  # in place: a relay in progress holds this list
+        self.child._sum.inc(self.sum)
+        self.sum = 0.0
 
 
 class Series:
-    """The labelled children of one (deployment, backend, endpoint), looked up once and cached."""
+    """The children one (deployment, backend, endpoint) records into, looked up once and cached."""
 
-    __slots__ = ("metrics", "labels", "statuses", "duration", "ttft", "itl", "overhead")
+    __slots__ = ("metrics", "labels", "statuses", "duration", "ttft", "itl", "overhead", "stream_sink")
 
     def __init__(self, metrics: "Metrics", deployment: str, backend: str, endpoint: str) -> None:
         self.metrics = metrics
@@ -77,6 +163,8 @@ class Series:
         self.ttft = metrics.child(metrics.ttft, deployment, backend)
         self.itl = metrics.child(metrics.itl, deployment, backend)
         self.overhead = metrics.child(metrics.overhead, endpoint)
+        # where a stream relay counts its inter-token gaps (None: do not time streams)
+        self.stream_sink = self.itl if metrics.enabled else metrics.discard
 
     def status(self, code: str):
         found = self.statuses.get(code)
@@ -167,20 +255,39 @@ class Metrics:
                             self.decisions, self.upstream_errors, self.disconnects)
         }
         self._children: dict[tuple, object] = {}
+        self._deferred: list = []
         self._series: dict[tuple[str, str, str], Series] = {}
         self._exposition_registry: CollectorRegistry | None = None
+        self._flusher: asyncio.Task | None = None
+        # the stream sink when metrics are off but the access log wants TTFT (never flushed);
+        # the runtime sets it to None when neither wants streams timed
+        self.discard: DeferredHistogram | None = DeferredHistogram(NOOP, self.itl._upper_bounds)
 
     def child(self, family, *labels: str):
         """Cached labelled child: `labels()` costs a lock and a dict build on every call."""
         key = (id(family), labels)
         found = self._children.get(key)
         if found is None:
-            if not self.enabled and id(family) in self._per_request:
+            if id(family) not in self._per_request:
+                found = family.labels(*labels)
+            elif not self.enabled:
                 found = NOOP
             else:
-                found = family.labels(*labels)
+                child = family.labels(*labels)
+                if isinstance(family, Histogram):
+                    found = DeferredHistogram(child, family._upper_bounds)
+                elif isinstance(family, Gauge):
+                    found = DeferredGauge(child)
+                else:
+                    found = DeferredCounter(child)
+                self._deferred.append(found)
             self._children[key] = found
         return found
+
+    def flush(self) -> None:
+        """Push what the request path recorded into the prometheus_client children."""
+        for deferred in self._deferred:
+            deferred.flush()
 
     def series(self, deployment: str, backend: str, endpoint: str) -> Series:
         key = (deployment, backend, endpoint)
@@ -190,6 +297,7 @@ class Metrics:
         return found
 
     def exposition(self) -> bytes:
+        self.flush()
         if not self.multiprocess:
             return generate_latest(self.registry)
         if self._exposition_registry is None:
@@ -199,9 +307,22 @@ class Metrics:
             multiprocess.MultiProcessCollector(self._exposition_registry)
         return generate_latest(self._exposition_registry)
 
-    def process_exiting(self) -> None:
-        """Drop this worker's live gauges (in-flight, backend state) from the shared files."""
-        if self.multiprocess:
+    def start(self) -> None:
+        """In a worker of `serve --workers N`: flush every second, for the other workers' /metrics."""
+        if self.multiprocess and self.enabled:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_every(1.0))
+
+    async def _flush_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.flush()
+
+    async def stop(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+        self.flush()
+        if self.multiprocess:  # this worker's live gauges (in-flight, backend state) leave the shared files
             from prometheus_client import multiprocess
 
             multiprocess.mark_process_dead(os.getpid())

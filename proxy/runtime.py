@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import logging
 
+from proxy.auth import Authenticator
 from proxy.config import ProxyConfig
 from proxy.forward import Upstream
 from proxy.health import Discovery
+from proxy.lora import LoraManager
+from proxy.accesslog import AccessLog
 from proxy.metrics import Metrics
 from proxy.multimodal import MultimodalGate
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route, build_catalog
 from proxy.routing.policies import make_policy
+from proxy.scrape import BackendScraper
 from proxy.shared import SharedState
 
 log = logging.getLogger("vllm_proxy")
@@ -19,7 +23,11 @@ log = logging.getLogger("vllm_proxy")
 class Runtime:
     def __init__(self, config: ProxyConfig, metrics: Metrics | None = None) -> None:
         self.config = config
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(enabled=config.metrics.enabled)
+        # observability (proxy/metrics.py, proxy/accesslog.py, proxy/scrape.py)
+        self.access = AccessLog(config.logging) if config.logging.access_log else None
+        if self.access is None:
+            self.metrics.discard = None  # metrics off and no access log: streams are not timed
         self.backends = [Backend(b) for b in config.backends]
         self.shared: SharedState | None = None
         if config.redis is not None:
@@ -41,6 +49,14 @@ class Runtime:
         self.multimodal = MultimodalGate(
             config, lambda deployment, decision: self.metrics.child(self.metrics.multimodal, deployment, decision).inc()
         )
+        self.scraper = None
+        if config.metrics.scrape_backends:
+            self.scraper = BackendScraper(lambda: self.upstream.session, self.backends, config.discovery, self.metrics)
+        self.lora = LoraManager(
+            config, self.backends, lambda: self.upstream.session, self.rebuild_catalog,
+            self.metrics.registry, getattr(self.policy, "load", None),
+        )
+        self.auth = Authenticator(config.auth) if config.auth.keys else None
         self.max_body_bytes = config.server.max_body_bytes
         self.explain = config.server.explain_headers
 
@@ -60,6 +76,10 @@ class Runtime:
             self._health_changed(backend)
         await self.discovery.poll_all()
         self.discovery.start()
+        self.lora.start()
+        if self.scraper is not None:
+            self.scraper.start()
+        self.metrics.start()
         if self.shared is not None:
             self.shared.start()
         log.info(
@@ -68,7 +88,11 @@ class Runtime:
         )
 
     async def stop(self) -> None:
+        await self.lora.stop()
         await self.discovery.stop()
+        if self.scraper is not None:
+            await self.scraper.stop()
         if self.shared is not None:
             await self.shared.stop()
         await self.upstream.close()
+        await self.metrics.stop()

@@ -1,8 +1,11 @@
 """State shared by every proxy process through Redis: the prefix index and the load view.
 
 The request path makes at most one Redis round trip (an MGET of the prompt's block hashes),
-bounded by a short timeout. Writes are batched by a background flusher, and each proxy
-publishes its per-replica in-flight counts a few times a second. When Redis is unreachable the
+bounded by a short timeout; only the first request of a never-seen tenant makes one more (an
+atomic set-if-absent of its placement). Writes are batched by a background flusher, and each
+proxy publishes its per-replica in-flight counts and smoothed routed counts a few times a
+second. Tenant placements (pin key -> ordered replica set) live in one hash that every proxy
+mirrors locally, re-read only when its version counter moves. When Redis is unreachable the
 proxy routes on local state (rendezvous hashing keeps replicas in agreement), logs once, shows
 it in `vllm_proxy_redis_up`, and reconnects by itself.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from typing import Callable, Sequence
@@ -20,6 +24,27 @@ log = logging.getLogger("vllm_proxy.shared")
 
 INDEX_PREFIX = "vp:px:"
 LOAD_KEY = "vp:load"
+PINS_KEY = "vp:pins"  # field: pin key (hex) -> "replica,replica,...|unix time of the last write"
+PINS_VERSION = "vp:pins:v"
+
+# place a tenant unless another proxy already did; bump the version so mirrors re-read
+_PLACE = """
+if redis.call('hsetnx', KEYS[1], ARGV[1], ARGV[2]) == 1 then redis.call('incr', KEYS[2]) end
+return redis.call('hget', KEYS[1], ARGV[1])
+"""
+
+
+def parse_pin(value: str) -> tuple[tuple[str, ...], float]:
+    members, _, stamp = value.rpartition("|")
+    try:
+        at = float(stamp)
+    except ValueError:
+        members, at = value, 0.0
+    return tuple(m for m in members.split(",") if m), at
+
+
+def format_pin(members: Sequence[str], at: float) -> str:
+    return f"{','.join(members)}|{at:.0f}"
 
 
 class SharedState:
@@ -46,6 +71,16 @@ class SharedState:
         self.up = False
         self._said_down = False
         self.remote_load: dict[str, int] = {}
+        # smoothed routed counts of the other proxies, decayed to `remote_rate_at` (unix time)
+        self.remote_rate: dict[str, float] = {}
+        self.remote_rate_at = 0.0
+        self.rate_tau = 30.0
+        self.local_rates: Callable[[float], dict[str, float]] | None = None  # set by the policy
+        # mirror of the placement hash: pin -> (members, stamp); `pins_changed` is bumped on re-read
+        self.pins: dict[int, tuple[tuple[str, ...], float]] = {}
+        self.pins_changed = 0
+        self._pins_version: str | None = None
+        self._pending_pins: dict[int, str] = {}
         self._pending: dict[int, str] = {}
         self._task: asyncio.Task | None = None
 
@@ -65,6 +100,30 @@ class SharedState:
             if owners[i]:
                 return i + 1, owners[i]
         return 0, None
+
+    async def place(self, pin: int, members: Sequence[str]) -> tuple[str, ...] | None:
+        """Record a new tenant's placement unless another proxy did first; returns the winner's
+        members, or None when Redis cannot answer now."""
+        if not self.up:
+            return None
+        value = format_pin(members, time.time())
+        try:
+            stored = await asyncio.wait_for(
+                self.client.eval(_PLACE, 2, PINS_KEY, PINS_VERSION, f"{pin:016x}", value), self.timeout
+            )
+        except Exception as exc:
+            self._down(exc)
+            return None
+        parsed = parse_pin(stored or value)
+        self.pins[pin] = parsed
+        return parsed[0]
+
+    def set_pin(self, pin: int, members: Sequence[str]) -> None:
+        """Change a tenant's replica set (grow, shrink, re-home, refresh): local now, Redis on flush."""
+        now = time.time()
+        self.pins[pin] = (tuple(members), now)
+        if self.up:
+            self._pending_pins[pin] = format_pin(members, now)
 
     def remember(self, hashes: Sequence[int], backend: str) -> None:
         """Queue index writes; the flusher sends them in one pipeline."""
@@ -101,28 +160,66 @@ class SharedState:
             await asyncio.sleep(self.sync_interval if self.up else 1.0)
 
     async def _sync(self) -> None:
-        """Flush index writes, publish our in-flight counts, read everyone else's."""
+        """Flush index and placement writes, publish our load, read everyone else's."""
         now = time.time()
         pending, self._pending = self._pending, {}
+        pending_pins, self._pending_pins = self._pending_pins, {}
         pipe = self.client.pipeline(transaction=False)
         for h, backend in pending.items():
             pipe.set(f"{INDEX_PREFIX}{h:016x}", backend, ex=self.ttl)
-        mine = {f"{self.proxy_id}|{b}": f"{n}|{now:.3f}" for b, n in self.local_load().items()}
+        if pending_pins:
+            pipe.hset(PINS_KEY, mapping={f"{p:016x}": v for p, v in pending_pins.items()})
+            pipe.incr(PINS_VERSION)
+        rates = self.local_rates(now) if self.local_rates is not None else {}
+        mine = {f"{self.proxy_id}|{b}": f"{n}|{now:.3f}|{rates.get(b, 0.0):.2f}" for b, n in self.local_load().items()}
         if mine:
             pipe.hset(LOAD_KEY, mapping=mine)
         pipe.hgetall(LOAD_KEY)
+        pipe.get(PINS_VERSION)
         results = await asyncio.wait_for(pipe.execute(), max(self.timeout * 4, 0.5))
-        self.remote_load = self._others(results[-1], now)
+        self.remote_load, self.remote_rate = self._others(results[-2], now)
+        self.remote_rate_at = now
+        version = results[-1]
+        if version != self._pins_version:
+            table = await asyncio.wait_for(self.client.hgetall(PINS_KEY), max(self.timeout * 4, 0.5))
+            self._pins_version = version
+            self._mirror(table, now)
 
-    def _others(self, table: dict[str, str], now: float) -> dict[str, int]:
+    def _mirror(self, table: dict[str, str], now: float) -> None:
+        pins: dict[int, tuple[tuple[str, ...], float]] = {}
+        expired = []
+        for field, value in table.items():
+            try:
+                pin = int(field, 16)
+            except ValueError:
+                expired.append(field)
+                continue
+            members, at = parse_pin(value)
+            if not members or now - at > self.ttl:
+                expired.append(field)
+            else:
+                pins[pin] = (members, at)
+        for pin, value in self._pending_pins.items():  # changed while we were reading
+            pins[pin] = parse_pin(value)
+        self.pins.clear()
+        self.pins.update(pins)
+        self.pins_changed += 1
+        if expired:
+            asyncio.get_running_loop().create_task(self._drop(expired, PINS_KEY))
+
+    def _others(self, table: dict[str, str], now: float) -> tuple[dict[str, int], dict[str, float]]:
         totals: dict[str, int] = {}
+        rates: dict[str, float] = {}
         stale = []
+        tau = self.rate_tau
         for field, value in table.items():
             proxy, _, backend = field.rpartition("|")
-            count, _, stamp = value.partition("|")
+            count, _, rest = value.partition("|")
+            stamp, _, rate = rest.partition("|")
             try:
                 age = now - float(stamp)
                 n = int(count)
+                r = float(rate) if rate else 0.0
             except ValueError:
                 stale.append(field)
                 continue
@@ -130,13 +227,14 @@ class SharedState:
                 stale.append(field)
             elif proxy != self.proxy_id and age <= max(1.0, 10 * self.sync_interval):
                 totals[backend] = totals.get(backend, 0) + n
+                rates[backend] = rates.get(backend, 0.0) + r * math.exp(-max(age, 0.0) / tau)
         if stale:
             asyncio.get_running_loop().create_task(self._drop(stale))
-        return totals
+        return totals, rates
 
-    async def _drop(self, fields: list[str]) -> None:
+    async def _drop(self, fields: list[str], key: str = LOAD_KEY) -> None:
         try:
-            await self.client.hdel(LOAD_KEY, *fields)
+            await self.client.hdel(key, *fields)
         except Exception:
             pass
 
@@ -146,5 +244,8 @@ class SharedState:
             log.warning("redis unreachable (%s): routing on local state until it returns", exc or type(exc).__name__)
             self.up = False
             self.remote_load = {}
+            self.remote_rate = {}
             self._pending = {}
+            self._pending_pins = {}
+            self._pins_version = None  # re-read the placements when Redis returns
             self.on_status(False)

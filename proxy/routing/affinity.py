@@ -1,14 +1,28 @@
 """`prefix_affinity`: send a request where its prefix is cached, without overloading anyone.
 
-1. Follow the longest known prefix match when it reaches past the pinned (system) part,
-   i.e. a conversation continues where its earlier turns were computed.
-2. Otherwise place the pin key by rendezvous (highest-random-weight) hashing: every proxy
-   process computes the same order of replicas for a key, with no coordination, and adding or
-   removing a replica moves only the keys that must move.
-3. Never let a replica go above ceil((1 + epsilon) x mean load) of the eligible set (consistent
-   hashing with bounded loads, Mirrokni et al. 2017): walk the key's rendezvous order to the
-   first replica under the bound, so a hot prefix spreads over the fewest replicas that carry it.
-Load = this process's in-flight requests plus other proxies' (from the shared view).
+The unit of placement is the tenant: the **pin key** (the leading system part of the prompt).
+
+1. A continuation (the longest known prefix match reaches past the pin part) goes back to the
+   replica that computed its earlier turns, unless that replica is clearly over the bound.
+2. Every tenant has a small ordered **replica set** (its home first). A new conversation goes
+   to the least-loaded member under the bound, so a hot tenant's traffic is shared by replicas
+   that all hold its prompt instead of spilling to arbitrary ones.
+3. When every member is over the bound the set **grows** by the replica with the least load and
+   the fewest tenants; when the tenant cools (its share of traffic would fit in one replica
+   less, for `cool_down_s`) the last member is dropped.
+4. A tenant never seen is **placed** on the replica with the least load and cache pressure
+   (tenants placed there), ties broken by rendezvous hashing. With Redis the placement is
+   written with set-if-absent (the first proxy wins, the others adopt its choice) into a hash
+   every proxy mirrors, so all proxies agree on every tenant's set. When Redis is down, known
+   tenants keep their mirrored sets and unknown ones fall back to rendezvous order (stateless
+   agreement); without Redis at all, this process's table is the authority.
+
+The bound (consistent hashing with bounded loads, Mirrokni et al. 2017) applies to a
+**smoothed** load: the exponentially decayed count of requests routed to each replica (time
+constant `load_window_s`) summed over all proxies via the shared load view. A replica is
+eligible when smoothed + 1 <= (1 + eps) x (total + 1) / N + load_slack, so noise in the
+instantaneous in-flight counts does not make tenants spill; in-flight counts only act as a
+guard against a real queue (more than ceil((1 + eps) x mean) + queue_slack in flight).
 """
 from __future__ import annotations
 
@@ -25,6 +39,7 @@ from proxy.routing.index import PrefixIndex
 from proxy.shared import SharedState
 
 _MASK = (1 << 64) - 1
+_RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulators past it
 
 
 def rendezvous_weight(key: int, salt: int) -> int:
@@ -39,6 +54,37 @@ def rendezvous_order(key: int, candidates: Sequence[Backend]) -> list[Backend]:
     return sorted(candidates, key=lambda b: rendezvous_weight(key, b.salt), reverse=True)
 
 
+class DecayedCounts:
+    """Exponentially decayed event counts per key with O(1) updates: each event adds
+    exp((t - t0) / tau) and a read multiplies by exp(-(t - t0) / tau)."""
+
+    __slots__ = ("tau", "t0", "scaled")
+
+    def __init__(self, tau: float, now: float) -> None:
+        self.tau = tau
+        self.t0 = now
+        self.scaled: dict = {}
+
+    def factor(self, now: float) -> float:
+        """exp((now - t0) / tau), renormalising first when it grows large."""
+        x = (now - self.t0) / self.tau
+        if x > _RESCALE_AFTER:
+            shrink = math.exp(-x)
+            self.scaled = {k: v * shrink for k, v in self.scaled.items() if v * shrink > 1e-6}
+            self.t0, x = now, 0.0
+        return math.exp(x)
+
+    def add(self, key, now: float, up: float | None = None) -> None:
+        self.scaled[key] = self.scaled.get(key, 0.0) + (up if up is not None else self.factor(now))
+
+    def value(self, key, now: float) -> float:
+        return self.scaled.get(key, 0.0) / self.factor(now)
+
+    def snapshot(self, now: float) -> dict:
+        down = 1.0 / self.factor(now)
+        return {k: v * down for k, v in self.scaled.items()}
+
+
 class PrefixAffinity:
     name = "prefix_affinity"
 
@@ -46,41 +92,193 @@ class PrefixAffinity:
         self.config = config
         self.index = PrefixIndex(config.index_blocks_per_backend)
         self.shared = shared
+        now = time.time()
+        self.routed = DecayedCounts(config.load_window_s, now)  # per backend name
+        self.tenant_rate = DecayedCounts(config.load_window_s, now)  # per pin, and None = all requests
+        self.pins: dict[int, tuple[tuple[str, ...], float]] = shared.pins if shared is not None else {}
+        self._changed: dict[int, float] = {}  # pin -> when its set last changed (as seen here)
+        if shared is not None:
+            shared.rate_tau = config.load_window_s
+            shared.local_rates = self.routed.snapshot
 
     def load(self, backend: Backend) -> int:
+        """Instantaneous in-flight requests over all proxies (also used by the LoRA manager)."""
         remote = self.shared.remote_load.get(backend.name, 0) if self.shared is not None else 0
         return backend.in_flight + remote
+
+    def smoothed(self, candidates: Sequence[Backend], now: float) -> list[float]:
+        """Decayed routed counts over all proxies, per candidate."""
+        down = 1.0 / self.routed.factor(now)
+        mine = self.routed.scaled
+        shared = self.shared
+        if shared is not None and shared.remote_rate:
+            remote = shared.remote_rate
+            decay = math.exp(-max(now - shared.remote_rate_at, 0.0) / self.config.load_window_s)
+            return [mine.get(b.name, 0.0) * down + remote.get(b.name, 0.0) * decay for b in candidates]
+        return [mine.get(b.name, 0.0) * down for b in candidates]
 
     async def pick(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
         if request.endpoint not in (CHAT, "/v1/completions"):
             return min(candidates, key=self.load), "least-loaded"
         cfg = self.config
         key = prefix_key(request.endpoint == CHAT, request.data, route.upstream_id, cfg.block_chars, cfg.max_blocks)
+        shared = self.shared
         match = None
-        if self.shared is not None:
-            match = await self.shared.longest(key.chain)
+        if shared is not None:
+            match = await shared.longest(key.chain)
         if match is None:
             match = self.index.longest(key.chain)
-        chosen, reason = self._choose(candidates, key.pin, key.pin_blocks, match)
+        now = time.time()
+        chosen, reason = self._choose(candidates, key.pin, key.pin_blocks, match, now)
+        if reason == "place":
+            chosen, reason = await self._place(candidates, key.pin, chosen, now)
+        self.routed.add(chosen.name, now)
+        up = self.tenant_rate.factor(now)
+        self.tenant_rate.add(key.pin, now, up)
+        self.tenant_rate.add(None, now, up)
         stale = self.index.record(key.chain, chosen.name, time.monotonic(), cfg.shared_ttl_s)
-        if self.shared is not None and stale:
-            self.shared.remember(stale, chosen.name)
+        if shared is not None and stale:
+            shared.remember(stale, chosen.name)
         return chosen, reason
 
+    # -- decision ---------------------------------------------------------------------------------
     def _choose(
-        self, candidates: Sequence[Backend], pin: int, pin_blocks: int, match: tuple[int, str | None]
+        self, candidates: Sequence[Backend], pin: int, pin_blocks: int, match: tuple[int, str | None], now: float
     ) -> tuple[Backend, str]:
-        loads = [self.load(b) for b in candidates]
-        cap = math.ceil((1.0 + self.config.epsilon) * (sum(loads) + 1) / len(candidates))
+        cfg = self.config
+        n = len(candidates)
+        rates = self.smoothed(candidates, now)
+        flights = [self.load(b) for b in candidates]
+        mean = (sum(rates) + 1.0) / n
+        cap = (1.0 + cfg.epsilon) * mean + cfg.load_slack
+        qcap = math.ceil((1.0 + cfg.epsilon) * (sum(flights) + 1) / n) + cfg.queue_slack
+
         matched, owner = match
         if owner is not None and matched > pin_blocks:
-            for backend, load in zip(candidates, loads):
+            for i, backend in enumerate(candidates):
                 if backend.name == owner:
-                    if load + 1 <= cap:
+                    if rates[i] + 1 <= cap + cfg.continuation_slack * mean and flights[i] + 1 <= qcap:
                         return backend, "prefix-hit"
                     break
-        order = sorted(range(len(candidates)), key=lambda i: rendezvous_weight(pin, candidates[i].salt), reverse=True)
-        for rank, i in enumerate(order):
-            if loads[i] + 1 <= cap:
-                return candidates[i], "pinned" if rank == 0 else "spill"
-        return candidates[order[0]], "pinned"  # unreachable: the bound always leaves room
+
+        entry = self.pins.get(pin)
+        if entry is None:
+            return self._best(candidates, rates, flights, cap, qcap, pin, ()), "place"
+        members, stamp = entry
+        best = -1
+        present = 0
+        for name in members:
+            for i, backend in enumerate(candidates):
+                if backend.name == name:
+                    present += 1
+                    if rates[i] + 1 <= cap and flights[i] + 1 <= qcap and (best < 0 or rates[i] < rates[best]):
+                        best = i
+                    break
+        self._refresh(pin, members, stamp, now)
+        if best >= 0:
+            if len(members) > 1:
+                self._maybe_shrink(pin, members, n, now)
+            return candidates[best], "pinned"
+        # A small tenant does not grow because its replicas are busy with others' traffic (a copy
+        # of its prompt elsewhere costs a miss and cache space): it stays under the looser bound,
+        # and the busy replicas' heavy tenants, which do grow, move their load away.
+        if present and self._share(pin) * n < cfg.grow_min_share:
+            hard = cap + cfg.continuation_slack * mean
+            for name in members:
+                for i, backend in enumerate(candidates):
+                    if backend.name == name:
+                        if rates[i] + 1 <= hard and flights[i] + 1 <= qcap and (best < 0 or rates[i] < rates[best]):
+                            best = i
+                        break
+            if best >= 0:
+                return candidates[best], "pinned"
+        # every member is over the bound (or gone): grow the set by the best other replica
+        chosen = self._best(candidates, rates, flights, cap, qcap, pin, members, grow=present > 0)
+        if self.shared is None or self.shared.up or present == 0:
+            self._set(pin, members + (chosen.name,) if present else (chosen.name,), now)
+        return chosen, "spill" if present else "pinned"
+
+    def _best(
+        self, candidates: Sequence[Backend], rates: list[float], flights: list[int], cap: float, qcap: int,
+        pin: int, exclude: Sequence[str], grow: bool = False,
+    ) -> Backend:
+        """The replica for a new placement: under the bound, least (load share + tenant share),
+        ties by rendezvous order; outside `exclude` when possible."""
+        n = len(candidates)
+        counts = self._tenant_counts()
+        mean_rate = (sum(rates) + n) / n
+        mean_count = (sum(counts.get(b.name, 0) for b in candidates) + n) / n
+        best, best_key = None, None
+        for i, backend in enumerate(candidates):
+            fits = rates[i] + 1 <= cap and flights[i] + 1 <= qcap
+            score = (rates[i] + 1) / mean_rate + (0.5 if grow else 1.0) * (counts.get(backend.name, 0) + 1) / mean_count
+            k = (backend.name in exclude, not fits, round(score, 6), -rendezvous_weight(pin, backend.salt))
+            if best_key is None or k < best_key:
+                best, best_key = backend, k
+        return best  # type: ignore[return-value]
+
+    async def _place(self, candidates: Sequence[Backend], pin: int, chosen: Backend, now: float) -> tuple[Backend, str]:
+        shared = self.shared
+        if shared is None:
+            self._set(pin, (chosen.name,), now)
+            return chosen, "pinned"
+        if not shared.up:
+            return self._rendezvous(candidates, pin, now)
+        members = await shared.place(pin, (chosen.name,))
+        if members is None:
+            return self._rendezvous(candidates, pin, now)
+        if chosen.name not in members:  # another proxy placed it first: follow its choice
+            for backend in candidates:
+                if backend.name in members:
+                    return backend, "pinned"
+        return chosen, "pinned"
+
+    def _rendezvous(self, candidates: Sequence[Backend], pin: int, now: float) -> tuple[Backend, str]:
+        """Stateless fallback: the pin's rendezvous order, first replica under the bound."""
+        cfg = self.config
+        rates = self.smoothed(candidates, now)
+        cap = (1.0 + cfg.epsilon) * (sum(rates) + 1.0) / len(candidates) + cfg.load_slack
+        order = rendezvous_order(pin, candidates)
+        idx = {b.name: i for i, b in enumerate(candidates)}
+        for rank, backend in enumerate(order):
+            if rates[idx[backend.name]] + 1 <= cap:
+                return backend, "pinned" if rank == 0 else "spill"
+        return order[0], "pinned"
+
+    # -- the replica-set table ----------------------------------------------------------------------
+    def _set(self, pin: int, members: Sequence[str], now: float) -> None:
+        self._changed[pin] = now
+        if self.shared is not None:
+            self.shared.set_pin(pin, members)
+        else:
+            self.pins[pin] = (tuple(members), now)
+
+    def _refresh(self, pin: int, members: tuple[str, ...], stamp: float, now: float) -> None:
+        if now - stamp > self.config.shared_ttl_s / 2 and (self.shared is None or self.shared.up):
+            self._set(pin, members, now)
+
+    def _maybe_shrink(self, pin: int, members: tuple[str, ...], n: int, now: float) -> None:
+        """Drop the last member once the tenant's share of traffic fits in one replica less (with
+        headroom), and its set has not changed for cool_down_s."""
+        rate = self.tenant_rate
+        changed = self._changed.get(pin)
+        if changed is None:
+            self._changed[pin] = now
+            return
+        if now - changed < self.config.cool_down_s:
+            return
+        share = self._share(pin)
+        if share * n * 1.5 < len(members) - 1:
+            self._set(pin, members[:-1], now)
+
+    def _share(self, pin: int) -> float:
+        """This tenant's share of the requests routed here (decayed)."""
+        scaled = self.tenant_rate.scaled
+        return scaled.get(pin, 0.0) / max(scaled.get(None, 0.0), 1e-9)
+
+    def _tenant_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for members, _ in self.pins.values():
+            for name in members:
+                counts[name] = counts.get(name, 0) + 1
+        return counts

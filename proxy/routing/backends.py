@@ -8,7 +8,10 @@ from proxy.parse import ENDPOINTS
 
 
 class Backend:
-    __slots__ = ("name", "salt", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "urls", "headers")
+    __slots__ = (
+        "name", "salt", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "urls", "headers",
+        "adapter_in_flight", "adapter_used", "adapter_epoch", "adapter_ops",
+    )
 
     def __init__(self, config: BackendConfig) -> None:
         self.name = config.name
@@ -21,6 +24,12 @@ class Backend:
         # model ids it serves, and adapter id -> base model id
         self.models: frozenset[str] = frozenset(config.models or ())
         self.adapters: dict[str, str | None] = {a: None for a in config.adapters or ()}
+        # LoRA bookkeeping (proxy/lora.py): in-flight requests and last use per adapter; the
+        # epoch/ops pair lets discovery drop a /v1/models answer that raced a load or unload
+        self.adapter_in_flight: dict[str, int] = {}
+        self.adapter_used: dict[str, float] = {}
+        self.adapter_epoch = 0
+        self.adapter_ops = 0
         self.urls = {endpoint: config.url + endpoint for endpoint in ENDPOINTS}
         self.headers = {"Content-Type": "application/json"}
         if config.api_key:

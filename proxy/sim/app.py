@@ -154,7 +154,13 @@ class SimApp:
             await asyncio.sleep(faults.slow_ms / 1000)
         if faults.should_fail():
             raise SimError(faults.error_status, "Simulated engine failure (fault injection).")
-        req = parse(protocol.parse_json(body), self.models)
+        data = protocol.parse_json(body)
+        try:
+            req = parse(data, self.models)
+        except SimError as exc:
+            if exc.status == 404:  # a model/adapter this replica does not hold (tests: never routed here)
+                self.engine.stats.not_found[str(data.get("model") if isinstance(data, dict) else None)] += 1
+            raise
         stats = self.engine.stats
         stats.requests[req.adapter or self.models.base_id] += 1
         stats.multimodal += req.multimodal
@@ -229,7 +235,7 @@ class SimApp:
         s = engine.stats
         served = dict.fromkeys([models.base_id, *models.adapters], 0)
         return {
-            "requests": {**served, **s.requests}, "multimodal_requests": s.multimodal,
+            "requests": {**served, **s.requests}, "not_found": dict(s.not_found), "multimodal_requests": s.multimodal,
             "running": len(engine.running), "waiting": len(engine.waiting),
             "completed": s.completed, "aborted": s.aborted,
             "lora_loads": models.loads, "lora_unloads": models.unloads, "lora_reloads": models.reloads,

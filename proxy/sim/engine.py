@@ -64,6 +64,7 @@ class Stats:
     """Counters for tests and /sim/stats."""
 
     requests: Counter = field(default_factory=Counter)  # by served model id (adapter names too)
+    not_found: Counter = field(default_factory=Counter)  # requests for a model id it does not serve
     multimodal: int = 0
     completed: int = 0
     aborted: int = 0

@@ -1,0 +1,68 @@
+"""Client API keys: `Authorization: Bearer <key>`, stored as SHA-256 digests, compared in
+constant time, each key limited to the deployments it names. Keys are never logged."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from proxy.asgi import Scope
+from proxy.config import AuthConfig
+from proxy.errors import ProxyError
+
+
+def digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Client:
+    name: str
+    deployments: frozenset[str] | None  # None: every deployment
+
+    def may_use(self, deployment: str) -> bool:
+        return self.deployments is None or deployment in self.deployments
+
+
+class Authenticator:
+    def __init__(self, config: AuthConfig) -> None:
+        self.protect_metrics = config.protect_metrics
+        self._keys: list[tuple[bytes, Client]] = []
+        for entry in config.keys:
+            if entry.sha256:
+                stored = bytes.fromhex(entry.sha256)
+            elif entry.key_env:
+                stored = digest(os.environ.get(entry.key_env, "").strip())
+            else:
+                stored = digest(Path(entry.key_file).read_text().strip())  # type: ignore[arg-type]
+            deployments = frozenset(entry.deployments) if entry.deployments is not None else None
+            self._keys.append((stored, Client(entry.name, deployments)))
+
+    def client(self, scope: Scope) -> Client:
+        """The caller, or a 401: every stored digest is compared, so timing says nothing."""
+        token = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, rest = value.partition(b" ")
+                if scheme.lower() == b"bearer" and rest.strip():
+                    token = rest.strip()
+                break
+        if token is None:
+            raise unauthorized("You didn't provide an API key. Send `Authorization: Bearer <key>`.")
+        presented = hashlib.sha256(token).digest()
+        found = None
+        for stored, client in self._keys:
+            if hmac.compare_digest(stored, presented) and found is None:
+                found = client
+        if found is None:
+            raise unauthorized("Incorrect API key provided.")
+        return found
+
+
+def unauthorized(message: str) -> ProxyError:
+    return ProxyError(
+        401, message, code="invalid_api_key", type="invalid_request_error",
+        headers=[(b"www-authenticate", b"Bearer"), (b"x-should-retry", b"false")],
+    )

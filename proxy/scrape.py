@@ -1,0 +1,178 @@
+"""Backend state from each replica's own /metrics, read on the discovery interval.
+
+vLLM exposes its scheduler and cache state in Prometheus text; we read three things and publish
+them per backend (labels: the backend's configured name only):
+
+- `vllm_proxy_backend_requests_waiting`  <- vllm:num_requests_waiting (summed over engines)
+- `vllm_proxy_backend_kv_cache_usage`    <- vllm:kv_cache_usage_perc, legacy vllm:gpu_cache_usage_perc
+                                            (mean over engines; 0..1)
+- `vllm_proxy_backend_prefix_cache_hit_ratio` <- delta vllm:prefix_cache_hits / delta
+  vllm:prefix_cache_queries between two scrapes (legacy: vllm:gpu_prefix_cache_hits/queries,
+  or the V0 gauge vllm:gpu_prefix_cache_hit_rate). The first scrape, or one after a counter reset,
+  uses the cumulative ratio; a scrape with no new queries keeps the previous ratio.
+
+The exposition is scanned line by line for these names only (no full parse: a vLLM /metrics is
+hundreds of lines of histograms, and this runs on the serving event loop). A backend that cannot
+be scraped loses its series until it can be again (its health is `vllm_proxy_backend_up`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import aiohttp
+
+from proxy.config import DiscoveryConfig
+from proxy.metrics import Metrics
+from proxy.routing.backends import Backend
+
+log = logging.getLogger("vllm_proxy.scrape")
+
+WAITING = {b"vllm:num_requests_waiting"}
+KV_USAGE = {b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc"}
+QUERIES = {b"vllm:prefix_cache_queries_total", b"vllm:prefix_cache_queries",
+           b"vllm:gpu_prefix_cache_queries_total", b"vllm:gpu_prefix_cache_queries"}
+HITS = {b"vllm:prefix_cache_hits_total", b"vllm:prefix_cache_hits",
+        b"vllm:gpu_prefix_cache_hits_total", b"vllm:gpu_prefix_cache_hits"}
+HIT_RATE = {b"vllm:gpu_prefix_cache_hit_rate"}  # V0 gauge, already a ratio
+WANTED = WAITING | KV_USAGE | QUERIES | HITS | HIT_RATE
+
+
+@dataclass
+class Reading:
+    """One scrape of one backend; None where the backend did not expose the metric."""
+
+    waiting: float | None = None
+    kv_usage: float | None = None
+    queries: float | None = None
+    hits: float | None = None
+    hit_rate: float | None = None
+
+
+def parse_vllm_metrics(text: bytes) -> Reading:
+    """The values we publish, from a vLLM Prometheus text exposition."""
+    sums: dict[bytes, float] = {}
+    counts: dict[bytes, int] = {}
+    for line in text.split(b"\n"):
+        if not line.startswith(b"vllm:"):
+            continue
+        brace = line.find(b"{")
+        if brace >= 0:
+            name = line[:brace]
+            rest = line[line.rfind(b"}") + 1:]
+        else:
+            name, _, rest = line.partition(b" ")
+        if name not in WANTED:
+            continue
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            value = float(parts[0])
+        except ValueError:
+            continue
+        if math.isnan(value):
+            continue
+        sums[name] = sums.get(name, 0.0) + value
+        counts[name] = counts.get(name, 0) + 1
+
+    def total(names: set[bytes]) -> float | None:
+        found = [sums[n] for n in names if n in sums]
+        return sum(found) if found else None
+
+    def mean(names: set[bytes]) -> float | None:
+        n = sum(counts.get(k, 0) for k in names)
+        return sum(sums.get(k, 0.0) for k in names) / n if n else None
+
+    return Reading(total(WAITING), mean(KV_USAGE), total(QUERIES), total(HITS), mean(HIT_RATE))
+
+
+class _Previous:
+    __slots__ = ("queries", "hits", "ratio")
+
+    def __init__(self) -> None:
+        self.queries: float | None = None
+        self.hits: float | None = None
+        self.ratio: float | None = None
+
+
+def hit_ratio(prev: _Previous, reading: Reading) -> float | None:
+    """Hit ratio since the previous scrape (updates `prev`)."""
+    if reading.queries is None or reading.hits is None:
+        return reading.hit_rate
+    q, h = reading.queries, reading.hits
+    if prev.queries is None or q < prev.queries or h < prev.hits:  # first scrape, or the backend restarted
+        ratio = h / q if q > 0 else None
+    else:
+        dq = q - prev.queries
+        ratio = (h - prev.hits) / dq if dq > 0 else prev.ratio
+    prev.queries, prev.hits, prev.ratio = q, h, ratio
+    return ratio
+
+
+class BackendScraper:
+    """Polls every backend's /metrics every `interval_s` and sets the backend-state gauges."""
+
+    def __init__(
+        self, session: Callable[[], aiohttp.ClientSession], backends: list[Backend], config: DiscoveryConfig,
+        metrics: Metrics,
+    ) -> None:
+        self._session = session
+        self.backends = backends
+        self.config = config
+        self.metrics = metrics
+        self._previous: dict[str, _Previous] = {}
+        self._task: asyncio.Task | None = None
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape(b) for b in self.backends))
+
+    async def scrape(self, backend: Backend) -> None:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+            headers = {k: v for k, v in backend.headers.items() if k == "Authorization"}
+            async with self._session().get(backend.url + "/metrics", timeout=timeout, headers=headers) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"HTTP {resp.status}")
+                reading = parse_vllm_metrics(await resp.read())
+        except Exception as exc:  # a backend without /metrics, or down: its series go away
+            log.debug("cannot scrape %s/metrics: %s", backend.url, exc or type(exc).__name__)
+            self._forget(backend.name)
+            return
+        m, name = self.metrics, backend.name
+        prev = self._previous.setdefault(name, _Previous())
+        ratio = hit_ratio(prev, reading)
+        for family, value in ((m.backend_waiting, reading.waiting), (m.backend_kv_usage, reading.kv_usage),
+                              (m.backend_hit_ratio, ratio)):
+            if value is not None:
+                family.labels(name).set(value)
+
+    def _forget(self, name: str) -> None:
+        self._previous.pop(name, None)
+        if self.metrics.multiprocess:
+            return  # series live in the shared files; the last value stays (see backend_up)
+        m = self.metrics
+        for family in (m.backend_waiting, m.backend_kv_usage, m.backend_hit_ratio):
+            try:
+                family.remove(name)
+            except KeyError:
+                pass
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.scrape_all()
+            except Exception:  # never let the loop die
+                log.exception("backend scrape round failed")
+            await asyncio.sleep(self.config.interval_s)

@@ -112,6 +112,8 @@ def parse_chat(body: dict, models: Models) -> Request:
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise bad_request("Each content part must be an object with a string 'type'.",
                                       param="messages")
+                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                    raise bad_request("A text content part needs a string 'text'.", param="messages")
                 media = media or part["type"] != "text"
         elif content is not None and not isinstance(content, str):
             raise bad_request("Message content must be a string or a list of content parts.", param="messages")

@@ -1,13 +1,17 @@
 """The ASGI application: a dispatch table over raw ASGI handlers, and the lifespan."""
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
+import os
 
 from proxy import endpoints, inference
-from proxy.asgi import Receive, Scope, Send, send_error
+from proxy.asgi import Receive, Scope, Send, send_error, send_json
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
 from proxy.parse import CHAT, COMPLETIONS, EMBEDDINGS
+from proxy.reload import ConfigWatcher
 from proxy.runtime import Runtime
 
 log = logging.getLogger("vllm_proxy")
@@ -26,10 +30,40 @@ OPEN_PATHS = frozenset(("/health", "/ready"))
 
 
 class ProxyApp:
-    """`ProxyApp(config)` is a complete ASGI app; `runtime` holds the live state."""
+    """`ProxyApp(config)` is a complete ASGI app; `runtime` holds the live state. Given the
+    config's `path`, it reloads the file when it changes, on SIGHUP, and on POST /admin/reload."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, path: str | None = None) -> None:
         self.runtime = Runtime(config)
+        self.watcher = ConfigWatcher(path, self.apply, self._count_reload) if path else None
+
+    async def apply(self, config: ProxyConfig) -> None:
+        """Swap in a new config. Requests in flight finish on the Runtime they started with."""
+        old = self.runtime
+        new = Runtime(config, previous=old)
+        await new.start()
+        old.hand_over()
+        self.runtime = new
+        await old.stop()
+
+    def _count_reload(self, result: str) -> None:
+        m = self.runtime.metrics
+        m.child(m.config_reloads, result).inc()
+
+    async def _admin_reload(self, scope: Scope, send: Send) -> None:
+        key_env = self.runtime.config.auth.admin_key_env
+        expected = os.environ.get(key_env, "") if key_env else ""
+        presented = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                presented = value.partition(b" ")[2].strip()
+        if self.watcher is None or not expected:
+            await send_error(send, ProxyError(404, "Reload is not enabled (set auth.admin_key_env).", code="unknown_url"))
+        elif not hmac.compare_digest(presented, expected.encode()):
+            await send_error(send, ProxyError(401, "Incorrect admin key.", code="invalid_api_key"))
+        else:
+            ok, message = await self.watcher.reload("admin endpoint")
+            await send_json(send, 200 if ok else 422, {"reloaded": ok, "message": message})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -41,6 +75,9 @@ class ProxyApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         rt = self.runtime
+        if path == "/admin/reload" and scope["method"] == "POST":
+            await self._admin_reload(scope, send)
+            return
         if rt.auth is not None and path not in OPEN_PATHS and (path != "/metrics" or rt.auth.protect_metrics):
             try:
                 scope["vllm_proxy.client"] = rt.auth.client(scope)
@@ -75,12 +112,16 @@ class ProxyApp:
             if message["type"] == "lifespan.startup":
                 try:
                     await self.runtime.start()
+                    if self.watcher is not None:
+                        self.watcher.start()
                 except Exception as exc:
                     log.exception("startup failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                if self.watcher is not None:
+                    await self.watcher.stop()
                 await self.runtime.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from proxy.config import ConfigError, ProxyConfig, load_config
@@ -21,6 +22,7 @@ def uvicorn_options(config: ProxyConfig) -> dict:
         "server_header": False,
         "proxy_headers": False,  # X-Forwarded-* rewriting costs per request and we log no client IPs
         "timeout_keep_alive": config.server.keep_alive_s,
+        "timeout_graceful_shutdown": config.server.drain_timeout_s,
         "log_level": "warning",
     }
 
@@ -29,7 +31,8 @@ def app_from_env():
     """Factory for uvicorn workers: each worker process loads the config named in the env."""
     from proxy.app import ProxyApp
 
-    return ProxyApp(load_config(os.environ[CONFIG_ENV]))
+    path = os.environ[CONFIG_ENV]
+    return ProxyApp(load_config(path), path)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -43,6 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ[CONFIG_ENV] = os.path.abspath(args.config)
     options = uvicorn_options(config)
     host, port, workers = config.server.host, config.server.port, config.server.workers
+    # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal: make that an exit 0
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     print(f"vllm-proxy serving http://{host}:{port}/v1 ({workers} worker{'s' if workers > 1 else ''})", flush=True)
     if workers > 1:
         from proxy.metrics import prepare_multiprocess_dir
@@ -55,8 +60,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         from proxy.app import ProxyApp
 
-        uvicorn.run(ProxyApp(config), host=host, port=port, **options)
+        uvicorn.run(ProxyApp(config, os.path.abspath(args.config)), host=host, port=port, **options)
     return 0
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

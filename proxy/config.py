@@ -20,6 +20,24 @@ class Timeouts(Strict):
     idle: float = Field(300.0, gt=0, description="longest silence between two chunks of a stream")
 
 
+class RetryConfig(Strict):
+    """Retries happen only before any byte reached the client, only for connect errors, first-byte
+    timeouts and 502/503/504 from a replica, always on another replica, within a budget."""
+
+    max_attempts: int = Field(2, ge=1, le=5, description="attempts per request, the first included")
+    budget_ratio: float = Field(0.2, ge=0, le=1, description="retries allowed per request of recent traffic")
+    budget_min_per_s: float = Field(5.0, ge=0, description="retries always allowed per second")
+
+
+class OutlierConfig(Strict):
+    """Passive outlier detection: consecutive failures eject a replica for a growing backoff;
+    after it, one request probes (half-open). Never ejects a deployment's last healthy replica."""
+
+    consecutive_failures: int = Field(3, ge=1)
+    base_ejection_s: float = Field(5.0, gt=0)
+    max_ejection_s: float = Field(120.0, gt=0)
+
+
 class ServerConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -29,6 +47,12 @@ class ServerConfig(Strict):
     upstream_keep_alive_s: float = Field(4.0, gt=0, description="shorter than vLLM's own 5 s keep-alive")
     timeouts: Timeouts = Timeouts()
     explain_headers: bool = Field(True, description="x-vllm-proxy-backend / -route response headers")
+    retries: RetryConfig = RetryConfig()
+    outlier: OutlierConfig = OutlierConfig()
+    max_queue: int = Field(256, ge=0, description="requests waiting for a replica slot before 429s")
+    queue_timeout_s: float = Field(30.0, gt=0, description="longest wait for a replica slot before 429")
+    sse_keepalive_s: float | None = Field(None, gt=0, description="`: ping` comments in silent streams; off if unset")
+    drain_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, how long in-flight requests may finish")
 
 
 class BackendConfig(Strict):
@@ -40,6 +64,7 @@ class BackendConfig(Strict):
     adapters: list[str] | None = None
     trust_request_mm_kwargs: bool = False
     api_key: str | None = Field(None, description="sent upstream as Authorization: Bearer (vLLM --api-key)")
+    max_in_flight: int | None = Field(None, ge=1, description="admission limit; further requests queue")
 
     @field_validator("url")
     @classmethod
@@ -120,9 +145,15 @@ class AffinityConfig(Strict):
     queue_slack: int = Field(
         4, ge=0, description="in-flight guard: skip a replica with more than ceil((1+eps) x mean) + this in flight"
     )
-    grow_min_share: float = Field(
-        0.25, ge=0, description="a tenant whose traffic is below this fraction of one replica's stays on its replicas up "
-        "to the looser (continuation) bound instead of growing its replica set"
+    grow_fill: float = Field(
+        0.9, gt=0, description="a tenant's replica set grows only when its own traffic exceeds this fraction of what "
+        "its replicas take at the mean (smaller tenants stay put and spill single requests instead)"
+    )
+    grow_min_requests: float = Field(
+        64.0, ge=0, description="no replica set grows before this proxy has routed this many (decayed) requests"
+    )
+    move_after_s: float = Field(
+        2.0, ge=0, description="a single-replica tenant whose replica is over the bound moves at most this often"
     )
     cool_down_s: float = Field(
         30.0, gt=0, description="a tenant's replica set shrinks only this long after it last changed"
@@ -146,6 +177,9 @@ class LoraConfig(Strict):
     replicate: bool = Field(True, description="load hot adapters on more replicas, unload the extra ones when cool")
     replicate_min_in_flight: int = Field(
         4, ge=1, description="a hot adapter spreads only when each of its replicas carries at least this many requests"
+    )
+    move_after_s: float = Field(
+        2.0, ge=0, description="a single-replica tenant whose replica is over the bound moves at most this often"
     )
     cool_down_s: float = Field(30.0, gt=0, description="an adapter this long under its bound loses a replica")
     rebalance_interval_s: float = Field(1.0, gt=0, description="period of the min_replicas / shrink check")
@@ -189,6 +223,9 @@ class RedisConfig(Strict):
     url: str = "redis://127.0.0.1:6379/0"
     timeout_s: float = Field(0.05, gt=0, description="per request-path call; slower means local mode")
     sync_interval_s: float = Field(0.1, gt=0, description="load view publish/read period")
+    max_connections: int = Field(
+        16, ge=2, description="Redis connections per proxy process; requests finding all busy route on local state"
+    )
 
     @field_validator("url")
     @classmethod

@@ -31,7 +31,6 @@ from typing import Callable, Sequence
 
 import aiohttp
 import orjson
-from prometheus_client import Counter
 
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
@@ -88,7 +87,7 @@ class LoraManager:
         backends: list[Backend],
         session: Callable[[], aiohttp.ClientSession],
         rebuild: Callable[[], None],
-        registry=None,
+        ops=None,
         load: Callable[[Backend], int] | None = None,
     ) -> None:
         self.cfg = config.lora
@@ -108,12 +107,7 @@ class LoraManager:
         self._waiters = 0
         self._tasks: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
-        self.ops = None
-        if registry is not None:
-            self.ops = Counter(
-                "vllm_proxy_lora_operations", "LoRA adapter loads and unloads made by the proxy.",
-                ["adapter", "backend", "op", "reason", "outcome"], registry=registry,
-            )
+        self.ops = ops  # the vllm_proxy_lora_operations counter (proxy/metrics.py), if any
 
     # --- hot path ----------------------------------------------------------------------------
 

@@ -235,6 +235,10 @@ class Metrics:
             "vllm_proxy_multimodal_requests", "Multimodal requests by deployment and policy decision.",
             ["deployment", "decision"], registry=r,
         )
+        self.lora_ops = Counter(
+            "vllm_proxy_lora_operations", "LoRA adapter loads and unloads made by the proxy.",
+            ["adapter", "backend", "op", "reason", "outcome"], registry=r,
+        )
         # Scraped from each backend's /metrics (proxy/scrape.py), on the discovery interval.
         self.backend_hit_ratio = Gauge(
             "vllm_proxy_backend_prefix_cache_hit_ratio",

@@ -21,14 +21,19 @@ log = logging.getLogger("vllm_proxy")
 
 
 class Runtime:
-    def __init__(self, config: ProxyConfig, metrics: Metrics | None = None) -> None:
+    """Built from one config. A hot reload builds the next Runtime from the previous one: it takes
+    over the process-wide parts (metrics, upstream client) and every replica whose settings did
+    not change (with its health, discovered models and in-flight counts)."""
+
+    def __init__(self, config: ProxyConfig, previous: "Runtime | None" = None) -> None:
         self.config = config
-        self.metrics = metrics or Metrics(enabled=config.metrics.enabled)
+        self.metrics = previous.metrics if previous else Metrics(enabled=config.metrics.enabled)
         # observability (proxy/metrics.py, proxy/accesslog.py, proxy/scrape.py)
         self.access = AccessLog(config.logging) if config.logging.access_log else None
         if self.access is None:
             self.metrics.discard = None  # metrics off and no access log: streams are not timed
-        self.backends = [Backend(b) for b in config.backends]
+        kept = {b.config.model_dump_json(): b for b in previous.backends} if previous else {}
+        self.backends = [kept.get(b.model_dump_json()) or Backend(b) for b in config.backends]
         self.shared: SharedState | None = None
         if config.redis is not None:
             self.shared = SharedState(
@@ -42,7 +47,8 @@ class Runtime:
         self.policy = make_policy(config.routing, self.shared)
         self.catalog: dict[str, Route] = {}
         self.rebuild_catalog()
-        self.upstream = Upstream(config.server)
+        self.upstream = previous.upstream if previous else Upstream(config.server)
+        self.owner = previous is None  # opens and finally closes the process-wide parts
         self.discovery = Discovery(
             lambda: self.upstream.session, self.backends, config.discovery, self.rebuild_catalog, self._health_changed
         )
@@ -54,7 +60,7 @@ class Runtime:
             self.scraper = BackendScraper(lambda: self.upstream.session, self.backends, config.discovery, self.metrics)
         self.lora = LoraManager(
             config, self.backends, lambda: self.upstream.session, self.rebuild_catalog,
-            self.metrics.registry, getattr(self.policy, "load", None),
+            self.metrics.lora_ops, getattr(self.policy, "load", None),
         )
         self.auth = Authenticator(config.auth) if config.auth.keys else None
         self.max_body_bytes = config.server.max_body_bytes
@@ -71,7 +77,9 @@ class Runtime:
         return any(b.healthy for b in self.backends)
 
     async def start(self) -> None:
-        await self.upstream.open()
+        if self.owner:
+            await self.upstream.open()
+            self.metrics.start()
         for backend in self.backends:
             self._health_changed(backend)
         await self.discovery.poll_all()
@@ -79,7 +87,6 @@ class Runtime:
         self.lora.start()
         if self.scraper is not None:
             self.scraper.start()
-        self.metrics.start()
         if self.shared is not None:
             self.shared.start()
         log.info(
@@ -94,5 +101,10 @@ class Runtime:
             await self.scraper.stop()
         if self.shared is not None:
             await self.shared.stop()
-        await self.upstream.close()
-        await self.metrics.stop()
+        if self.owner:
+            await self.upstream.close()
+            await self.metrics.stop()
+
+    def hand_over(self) -> None:
+        """The next Runtime owns the process-wide parts now; stopping this one leaves them open."""
+        self.owner = False

@@ -57,11 +57,19 @@ class SharedState:
         sync_interval_s: float = 0.1,
         local_load: Callable[[], dict[str, int]],
         on_status: Callable[[bool], None] = lambda up: None,
+        max_connections: int = 16,
     ) -> None:
-        self.client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=max(timeout_s, 0.2), decode_responses=True,
-            retry=None, health_check_interval=0,
+        # A bounded pool: a burst of requests never opens more than `max_connections` sockets.
+        # The request path uses at most max_connections - 1 of them (one stays for the sync);
+        # a request finding them all busy routes on local state, without marking Redis down.
+        self.max_connections = max(2, max_connections)
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=self.max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=max(timeout_s, 0.2), decode_responses=True, health_check_interval=0,
         )
+        self.client = redis.Redis(connection_pool=pool, retry=None)
+        self._busy = 0  # request-path calls in progress
+        self.pool_full = 0  # request-path calls skipped because every connection was busy
         self.ttl = int(ttl_s)
         self.timeout = timeout_s
         self.sync_interval = sync_interval_s
@@ -89,6 +97,10 @@ class SharedState:
         """Longest shared prefix match, or None when Redis cannot answer now (use local state)."""
         if not self.up or not chain:
             return (0, None) if self.up else None
+        if self._busy >= self.max_connections - 1:
+            self.pool_full += 1
+            return None
+        self._busy += 1
         try:
             owners = await asyncio.wait_for(
                 self.client.mget([f"{INDEX_PREFIX}{h:016x}" for h in chain]), self.timeout
@@ -96,6 +108,8 @@ class SharedState:
         except Exception as exc:  # timeouts, resets, refused: all mean "local mode for now"
             self._down(exc)
             return None
+        finally:
+            self._busy -= 1
         for i in range(len(owners) - 1, -1, -1):
             if owners[i]:
                 return i + 1, owners[i]
@@ -106,7 +120,11 @@ class SharedState:
         members, or None when Redis cannot answer now."""
         if not self.up:
             return None
+        if self._busy >= self.max_connections - 1:
+            self.pool_full += 1
+            return None
         value = format_pin(members, time.time())
+        self._busy += 1
         try:
             stored = await asyncio.wait_for(
                 self.client.eval(_PLACE, 2, PINS_KEY, PINS_VERSION, f"{pin:016x}", value), self.timeout
@@ -114,6 +132,8 @@ class SharedState:
         except Exception as exc:
             self._down(exc)
             return None
+        finally:
+            self._busy -= 1
         parsed = parse_pin(stored or value)
         self.pins[pin] = parsed
         return parsed[0]

@@ -78,7 +78,8 @@ def test_membership_change_moves_only_the_keys_that_must_move() -> None:
 
 def test_hot_prefix_spills_within_the_load_bound() -> None:
     bs = backends(4)
-    policy = PrefixAffinity(AffinityConfig(epsilon=0.1, load_slack=1))  # slack of one request, no warm-up room
+    # slack of one request, no warm-up room (growth allowed from the first request)
+    policy = PrefixAffinity(AffinityConfig(epsilon=0.1, load_slack=1, grow_min_requests=0))
     request = chat_request(tenant(7), "hello")
     reasons = []
     for _ in range(40):  # requests pile up (none finishes): load must stay within the bound

@@ -379,6 +379,19 @@ def test_access_log_sampling_and_switch(servers: Servers, access_lines: list[str
     assert 60 < len(access_lines) < 140
 
 
+def test_line_writer_batches_whole_lines(tmp_path: Path) -> None:
+    from proxy.accesslog import LineWriter
+
+    path = tmp_path / "access.log"
+    writer = LineWriter(str(path))
+    lines = [orjson.dumps({"request_id": f"r{i}", "pad": "x" * (i % 300)}) + b"\n" for i in range(500)]
+    for line in lines:
+        writer.line(line)  # no event loop in this thread: written at once
+    writer.flush()
+    assert path.read_bytes() == b"".join(lines)
+    os.close(writer.fd)
+
+
 def test_usage_tokens() -> None:
     assert usage_tokens(b'{"x":1,"usage": {"prompt_tokens": 7, "total_tokens": 9, "completion_tokens": 2}}') == (7, 2)
     assert usage_tokens(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\ndata: [DONE]') == (3, 1)
@@ -462,3 +475,23 @@ def test_two_workers_count_every_request(servers: Servers, tmp_path: Path) -> No
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+# --- dashboard ----------------------------------------------------------------------------------
+
+def test_grafana_dashboard_uses_these_metrics() -> None:
+    import re
+
+    dashboard = orjson.loads((ROOT / "deploy" / "grafana" / "vllm-proxy.json").read_bytes())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"vllm_proxy_[a-z_]+", e)}
+    known = {f + suffix for f in FAMILIES for suffix in ("", "_total", "_bucket", "_sum", "_count")}
+    assert used <= known, used - known
+    for family in ("time_to_first_token_seconds", "inter_token_latency_seconds", "overhead_seconds",
+                   "routing_decisions", "backend_prefix_cache_hit_ratio", "backend_requests_waiting"):
+        assert any(family in e for e in exprs), family
+    for p in dashboard["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}"

@@ -39,6 +39,8 @@ from proxy.routing.index import PrefixIndex
 from proxy.shared import SharedState
 
 _MASK = (1 << 64) - 1
+import os as _os
+_DEBUG = bool(_os.environ.get('VP_AFF_DEBUG'))  # TEMP
 _RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulators past it
 
 
@@ -179,10 +181,19 @@ class PrefixAffinity:
             if len(members) > 1:
                 self._maybe_shrink(pin, members, n, now)
             return candidates[best], "pinned"
-        # A small tenant does not grow because its replicas are busy with others' traffic (a copy
-        # of its prompt elsewhere costs a miss and cache space): it stays under the looser bound,
-        # and the busy replicas' heavy tenants, which do grow, move their load away.
-        if present and self._share(pin) * n < cfg.grow_min_share:
+        # A tenant grows only when its own traffic needs more replicas than it has (a copy of its
+        # prompt elsewhere costs misses and cache space) and once enough history says so: while
+        # warming up, or when others' traffic makes its replicas busy, it stays on them up to the
+        # looser (continuation) bound, beyond that single requests spill without changing its set.
+        if present and not self._may_grow(pin, len(members), n):
+            other = self._best(candidates, rates, flights, cap, qcap, pin, members, grow=True)
+            # a single-replica tenant on an overloaded replica moves (placements made while warming
+            # up are blind to popularity) if its traffic fits where it goes and it has not moved lately
+            if len(members) == 1 and self._may_move(pin, n, now) and (self.shared is None or self.shared.up):
+                target = self._move_target(candidates, rates, flights, qcap, pin, members[0], (mean + cap) / 2)
+                if target is not None:
+                    self._set(pin, (target.name,), now)
+                    return target, "moved"
             hard = cap + cfg.continuation_slack * mean
             for name in members:
                 for i, backend in enumerate(candidates):
@@ -192,6 +203,7 @@ class PrefixAffinity:
                         break
             if best >= 0:
                 return candidates[best], "pinned"
+            return other, "spill"
         # every member is over the bound (or gone): grow the set by the best other replica
         chosen = self._best(candidates, rates, flights, cap, qcap, pin, members, grow=present > 0)
         if self.shared is None or self.shared.up or present == 0:
@@ -208,14 +220,38 @@ class PrefixAffinity:
         counts = self._tenant_counts()
         mean_rate = (sum(rates) + n) / n
         mean_count = (sum(counts.get(b.name, 0) for b in candidates) + n) / n
+        # cache room: no replica takes more than its share of tenants' prompts (rounded up)
+        slots = math.ceil((sum(counts.get(b.name, 0) for b in candidates) + (0 if exclude and not grow else 1)) / n)
         best, best_key = None, None
         for i, backend in enumerate(candidates):
             fits = rates[i] + 1 <= cap and flights[i] + 1 <= qcap
-            score = (rates[i] + 1) / mean_rate + (0.5 if grow else 1.0) * (counts.get(backend.name, 0) + 1) / mean_count
-            k = (backend.name in exclude, not fits, round(score, 6), -rendezvous_weight(pin, backend.salt))
+            count = counts.get(backend.name, 0)
+            score = (rates[i] + 1) / mean_rate + (0.5 if grow else 1.0) * (count + 1) / mean_count
+            k = (backend.name in exclude, not fits, count + 1 > slots, round(score, 6),
+                 -rendezvous_weight(pin, backend.salt))
             if best_key is None or k < best_key:
                 best, best_key = backend, k
         return best  # type: ignore[return-value]
+
+    def _move_target(
+        self, candidates: Sequence[Backend], rates: list[float], flights: list[int], qcap: int, pin: int,
+        home: str, limit: float,
+    ) -> Backend | None:
+        """Where a small tenant moves: a replica that stays below `limit` with the tenant's traffic
+        added, preferring one with room for another prompt (fewest tenants), then the least loaded."""
+        n = len(candidates)
+        counts = self._tenant_counts()
+        slots = math.ceil(sum(counts.get(b.name, 0) for b in candidates) / n)
+        add = self._share(pin) * sum(rates) + 1
+        best, best_key = None, None
+        for i, backend in enumerate(candidates):
+            if backend.name == home or rates[i] + add > limit or flights[i] + 1 > qcap:
+                continue
+            count = counts.get(backend.name, 0)
+            k = (count + 1 > slots, count, rates[i])
+            if best_key is None or k < best_key:
+                best, best_key = backend, k
+        return best
 
     async def _place(self, candidates: Sequence[Backend], pin: int, chosen: Backend, now: float) -> tuple[Backend, str]:
         shared = self.shared
@@ -225,8 +261,12 @@ class PrefixAffinity:
         if not shared.up:
             return self._rendezvous(candidates, pin, now)
         members = await shared.place(pin, (chosen.name,))
+        if _DEBUG:  # TEMP
+            import sys
+            print(f"PLACE t={now % 1000:.2f} pin={pin % 1000} {chosen.name} -> {members}", file=sys.stderr, flush=True)
         if members is None:
             return self._rendezvous(candidates, pin, now)
+        self._changed[pin] = now
         if chosen.name not in members:  # another proxy placed it first: follow its choice
             for backend in candidates:
                 if backend.name in members:
@@ -247,6 +287,11 @@ class PrefixAffinity:
 
     # -- the replica-set table ----------------------------------------------------------------------
     def _set(self, pin: int, members: Sequence[str], now: float) -> None:
+        if _DEBUG:  # TEMP
+            import sys
+            old = self.pins.get(pin, ((), 0))[0]
+            if tuple(members) != old:
+                print(f"SET t={now % 1000:.2f} pin={pin % 1000} share={self._share(pin):.3f} {old}->{tuple(members)}", file=sys.stderr, flush=True)
         self._changed[pin] = now
         if self.shared is not None:
             self.shared.set_pin(pin, members)
@@ -258,18 +303,33 @@ class PrefixAffinity:
             self._set(pin, members, now)
 
     def _maybe_shrink(self, pin: int, members: tuple[str, ...], n: int, now: float) -> None:
-        """Drop the last member once the tenant's share of traffic fits in one replica less (with
-        headroom), and its set has not changed for cool_down_s."""
-        rate = self.tenant_rate
+        """Drop the last member once the tenant's traffic fits in one replica less (with
+        hysteresis below the growth threshold), and its set has not changed for cool_down_s."""
         changed = self._changed.get(pin)
         if changed is None:
             self._changed[pin] = now
             return
         if now - changed < self.config.cool_down_s:
             return
-        share = self._share(pin)
-        if share * n * 1.5 < len(members) - 1:
+        if self._share(pin) * n < (len(members) - 1) * self.config.grow_fill * 0.75:
             self._set(pin, members[:-1], now)
+
+    def _may_move(self, pin: int, n: int, now: float) -> bool:
+        """Known to be small (at most half a replica's traffic, after warm-up) and not moved lately."""
+        cfg = self.config
+        changed = self._changed.setdefault(pin, now)
+        if now - changed < cfg.move_after_s or not self._warm(now):
+            return False
+        return self._share(pin) * n <= 0.5
+
+    def _warm(self, now: float) -> bool:
+        return self.tenant_rate.scaled.get(None, 0.0) >= self.config.grow_min_requests * self.tenant_rate.factor(now)
+
+    def _may_grow(self, pin: int, size: int, n: int) -> bool:
+        """Enough history, and the tenant alone nearly fills the replicas it has."""
+        if not self._warm(time.time()):
+            return False
+        return self._share(pin) * n >= size * self.config.grow_fill
 
     def _share(self, pin: int) -> float:
         """This tenant's share of the requests routed here (decayed)."""

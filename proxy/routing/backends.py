@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from hashlib import blake2b
+from urllib.parse import urlsplit
 
 from proxy.config import BackendConfig
 from proxy.parse import ENDPOINTS
@@ -11,6 +12,7 @@ class Backend:
     __slots__ = (
         "name", "salt", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "urls", "headers",
         "adapter_in_flight", "adapter_used", "adapter_epoch", "adapter_ops",
+        "origin", "heads", "errors_in_row", "ejections", "ejected_until", "limit",
     )
 
     def __init__(self, config: BackendConfig) -> None:
@@ -34,6 +36,24 @@ class Backend:
         self.headers = {"Content-Type": "application/json"}
         if config.api_key:
             self.headers["Authorization"] = f"Bearer {config.api_key}"
+        # the data path's pre-formatted request heads (proxy/http1.py), one per endpoint
+        parts = urlsplit(config.url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.origin = (parts.scheme, parts.hostname, port)
+        auth = f"Authorization: Bearer {config.api_key}\r\n" if config.api_key else ""
+        base = parts.path.rstrip("/")
+        self.heads = {
+            e: f"POST {base}{e} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n{auth}".encode("latin-1")
+            for e in ENDPOINTS
+        }
+        # passive outlier detection (proxy/outlier.py) and admission (max in-flight)
+        self.errors_in_row = 0
+        self.ejections = 0
+        self.ejected_until = 0.0
+        self.limit = config.max_in_flight or 1 << 30
+
+    def request_head(self, endpoint: str, length: int, request_id: bytes) -> bytes:
+        return self.heads[endpoint] + b"Content-Length: %d\r\nX-Request-Id: %s\r\n\r\n" % (length, request_id)
 
     def serves(self, model: str, adapter: str | None) -> bool:
         if adapter is None:

@@ -1,0 +1,136 @@
+"""Operations with a real proxy process: hot reload (file change, SIGHUP, admin endpoint, a bad
+file mid-run) and graceful shutdown on SIGTERM with live streams."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import MODEL, Servers, eventually
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ProxyProcess:
+    def __init__(self, path: Path, env: dict | None = None) -> None:
+        self.port = yaml.safe_load(path.read_text())["server"]["port"]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = path.with_suffix(".log")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--config", str(path)],
+            cwd=ROOT, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+        assert eventually(self._ready, timeout=15), self.log.read_text()
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def metric(self, line_start: str) -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(line_start):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def write(path: Path, config: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(config))
+    os.replace(tmp, path)
+
+
+def base_config(port: int, *sims) -> dict:
+    return {
+        "server": {"host": "127.0.0.1", "port": port, "drain_timeout_s": 20},
+        "backends": [{"name": f"gpu-{i}", "url": s.url} for i, s in enumerate(sims)],
+        "discovery": {"interval_s": 0.5, "timeout_s": 1},
+        "auth": {"admin_key_env": "VP_ADMIN"},
+    }
+
+
+def stream(url: str, model: str, results: list, max_tokens: int = 30) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens, "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            text = "".join(resp.iter_text())
+        results.append((resp.status_code, text.rstrip().endswith("data: [DONE]")))
+    except httpx.HTTPError as exc:
+        results.append((0, repr(exc)))
+
+
+def test_hot_reload_file_sighup_admin_and_bad_file(servers: Servers, tmp_path: Path) -> None:
+    a, b = (servers.sim(time_scale=1.0, itl_ms=100.0, prefill_ms_per_token=0.0) for _ in range(2))
+    path = tmp_path / "policy.yaml"
+    config = base_config(free_port(), a)
+    write(path, config)
+    proxy = ProxyProcess(path, {"VP_ADMIN": "let-me-in"})
+    try:
+        assert [m["id"] for m in httpx.get(proxy.url + "/v1/models").json()["data"]] == [MODEL]
+        live: list = []
+        streamer = threading.Thread(target=stream, args=(proxy.url, MODEL, live, 25))
+        streamer.start()  # ~2.5 s stream that must survive the reloads below
+        # 1. file change: a deployment name appears within 2 s
+        config["deployments"] = [{"name": "llama", "model": MODEL}]
+        changed_at = time.monotonic()
+        write(path, config)
+        assert eventually(lambda: '"id":"llama"' in httpx.get(proxy.url + "/v1/models").text, timeout=3)
+        assert time.monotonic() - changed_at < 2.5
+        # 2. a broken file changes nothing but a log line and the error count
+        path.write_text("backends:\n  - {name: gpu-0, url: ftp://nowhere}\n")
+        assert eventually(lambda: proxy.metric('vllm_proxy_config_reloads_total{result="error"}') >= 1, timeout=3)
+        assert httpx.post(proxy.url + "/v1/chat/completions",
+                          json={"model": "llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}).status_code == 200
+        assert "backends[0].url" in proxy.log.read_text()
+        # 3. SIGHUP and the admin endpoint reload a good file (adding backend b)
+        config["backends"].append({"name": "gpu-1", "url": b.url})
+        path.write_text(yaml.safe_dump(config))
+        proxy.proc.send_signal(signal.SIGHUP)
+        assert eventually(lambda: proxy.metric('vllm_proxy_backend_up{backend="gpu-1"}') == 1.0, timeout=3)
+        denied = httpx.post(proxy.url + "/admin/reload", headers={"authorization": "Bearer wrong"})
+        assert denied.status_code == 401
+        ok = httpx.post(proxy.url + "/admin/reload", headers={"authorization": "Bearer let-me-in"})
+        assert ok.status_code == 200 and ok.json()["reloaded"] is True
+        streamer.join(timeout=10)
+        assert live == [(200, True)]
+        assert proxy.metric('vllm_proxy_config_reloads_total{result="success"}') >= 3
+    finally:
+        proxy.stop()
+
+
+def test_sigterm_drains_live_streams(servers: Servers, tmp_path: Path) -> None:
+    sim = servers.sim(time_scale=1.0, itl_ms=60.0, prefill_ms_per_token=0.0, max_num_seqs=128)
+    path = tmp_path / "policy.yaml"
+    write(path, base_config(free_port(), sim))
+    proxy = ProxyProcess(path)
+    results: list = []
+    threads = [threading.Thread(target=stream, args=(proxy.url, MODEL, results, 30)) for _ in range(50)]
+    for t in threads:
+        t.start()
+    assert eventually(lambda: sim.server.config.app.stats()["running"] == 50, timeout=10)
+    proxy.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=30)
+    assert proxy.proc.wait(timeout=30) == 0
+    assert len(results) == 50 and all(r == (200, True) for r in results), results[:3]

@@ -1,7 +1,8 @@
-"""The upstream exchange: one shared aiohttp session per process, bytes relayed as they arrive.
+"""The upstream exchange: one shared client per process, bytes relayed as they arrive.
 
-aiohttp, not httpx's default transport: measured, httpx's pool collapses under concurrency
-(ANCHORS.md). Streams are relayed chunk by chunk, never re-parsed or re-serialized.
+Not httpx's default transport (its pool collapses under concurrency, ANCHORS.md), and not
+aiohttp on the data path either: measured, our httptools-based pool (proxy/http1.py) costs a
+quarter of aiohttp's CPU per request. Streams are relayed chunk by chunk, never re-parsed.
 """
 from __future__ import annotations
 
@@ -14,17 +15,27 @@ import aiohttp
 from proxy.asgi import Headers, Send
 from proxy.config import ServerConfig
 from proxy.errors import ProxyError, normalise_upstream_error
+from proxy.http1 import Pool, Response, UpstreamError
+from proxy.routing.backends import Backend
 
 JSON = b"application/json"
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
-class UpstreamFailure(ProxyError):
-    """The replica failed before any byte reached the client (so another replica may be tried)."""
+RETRY_STATUSES = (502, 503, 504)
 
-    def __init__(self, kind: str, status: int, message: str) -> None:
+
+class UpstreamFailure(ProxyError):
+    """The replica failed before any byte reached the client (so another replica may be tried).
+    `payload`: the replica's own (normalised) error body, sent as is if no retry happens."""
+
+    def __init__(self, kind: str, status: int, message: str, payload: bytes | None = None) -> None:
         super().__init__(status, message, code=f"upstream_{kind}")
         self.kind = kind  # connect | timeout | reset | status_5xx
+        self.payload = payload
+
+    def body(self) -> bytes:
+        return self.payload if self.payload is not None else super().body()
 
 
 class Progress:
@@ -57,13 +68,15 @@ class Progress:
 
 
 class Upstream:
-    """The process-wide upstream client and its timeouts."""
+    """The process-wide upstream clients: the lean HTTP/1.1 pool (proxy/http1.py) for the data
+    path, and one aiohttp session for the control plane (discovery, scraping, LoRA admin)."""
 
     def __init__(self, server: ServerConfig) -> None:
         self.server = server
         t = server.timeouts
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.first_byte)
-        self.idle_timeout = t.idle
+        self.pool = Pool(t.connect, t.first_byte, t.idle, server.upstream_keep_alive_s)
+        self.keepalive = server.sse_keepalive_s
         self.session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
@@ -78,42 +91,41 @@ class Upstream:
         )
 
     async def close(self) -> None:
+        self.pool.close()
         if self.session is not None:
             await self.session.close()
             self.session = None
 
     async def exchange(
         self,
-        url: str,
+        backend: Backend,
+        endpoint: str,
         body: bytes,
-        headers: dict[str, str],
+        request_id: bytes,
         send: Send,
         response_headers: Headers,
         progress: Progress,
         rename: tuple[bytes, bytes] | None = None,
+        retryable: bool = False,
     ) -> int:
-        """POST `body` to `url` and relay the answer to the client. Returns the status sent.
+        """POST `body` to `backend` and relay the answer to the client. Returns the status sent.
 
         `rename` swaps the upstream model id for the deployment name in the `model` field (as
         vLLM's --served-model-name would): a byte substitution, never a re-serialization.
 
-        Raises UpstreamFailure only while nothing has been sent to the client yet; after the first
-        byte of a stream, a failure ends the stream with an SSE error event instead.
+        Raises UpstreamFailure only while nothing has been sent to the client yet (and, when
+        `retryable`, for a 502/503/504 answer, which another replica may serve instead); after
+        the first byte of a stream, a failure ends the stream with an SSE error event.
         """
-        assert self.session is not None
         progress.proxy_s = perf_counter() - progress.arrival
         try:
-            resp = await self.session.post(url, data=body, headers=headers)
-        except asyncio.TimeoutError:
-            raise UpstreamFailure("timeout", 504, "The model server did not answer in time.") from None
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamFailure("connect", 502, f"Cannot connect to the model server: {exc.strerror or exc}") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamFailure("reset", 502, f"The model server closed the connection: {exc}") from None
+            resp = await self.pool.request(backend.origin, backend.request_head(endpoint, len(body), request_id), body)
+        except UpstreamError as exc:
+            raise _failure(exc) from None
         headers_at = perf_counter()
         try:
             status = resp.status
-            ctype = resp.headers.get("Content-Type", "application/json").encode("latin-1")
+            ctype = resp.content_type
             if status < 400 and ctype.startswith(b"text/event-stream"):
                 progress.started = True
                 headers_out = [(b"content-type", ctype), *SSE_HEADERS, *response_headers]
@@ -121,13 +133,13 @@ class Upstream:
                 return status
             try:
                 payload = await resp.read()
-            except asyncio.TimeoutError:
-                raise UpstreamFailure("timeout", 504, "The model server stopped answering.") from None
-            except aiohttp.ClientError as exc:
-                raise UpstreamFailure("reset", 502, f"The model server broke off its answer: {exc}") from None
+            except UpstreamError as exc:
+                raise _failure(exc) from None
             read_at = perf_counter()
             if status >= 400:
                 payload, ctype = normalise_upstream_error(status, payload), JSON
+                if retryable and status in RETRY_STATUSES:
+                    raise UpstreamFailure("status_5xx", status, "", payload=payload)
             elif rename is not None:
                 payload = payload.replace(*rename)
             # headers go out before the body: the header counts proxy time up to this point
@@ -147,28 +159,31 @@ class Upstream:
             resp.release()
 
     async def _relay_stream(
-        self, resp: aiohttp.ClientResponse, send: Send, headers: Headers, rename: tuple[bytes, bytes] | None,
+        self, resp: Response, send: Send, headers: Headers, rename: tuple[bytes, bytes] | None,
         progress: Progress, headers_at: float,
     ) -> None:
-        if resp.connection is not None:
-            resp.connection.protocol.read_timeout = self.idle_timeout  # first byte came; now the idle gap
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         progress.proxy_s += perf_counter() - headers_at
         try:
             if progress.itl is None:
-                async for chunk in resp.content.iter_any():
+                while (chunk := await resp.next_chunk(self.keepalive)) is not None:
                     if rename is not None:
                         chunk = chunk.replace(*rename)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             else:
-                await _relay_timed(resp, send, rename, progress)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "reset"
-            failure = UpstreamFailure(kind, 502, f"The model server failed mid-stream ({kind}).")
+                await _relay_timed(resp, send, rename, progress, self.keepalive)
+        except UpstreamError as exc:
+            failure = UpstreamFailure(exc.kind, 502, f"The model server failed mid-stream ({exc}).")
             resp.close()
             await send({"type": "http.response.body", "body": failure.sse_event(), "more_body": False})
             raise StreamBroken(failure) from None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _failure(exc: UpstreamError) -> UpstreamFailure:
+    if exc.kind == "timeout":
+        return UpstreamFailure("timeout", 504, f"The model server did not answer in time: {exc}.")
+    return UpstreamFailure(exc.kind, 502, f"The model server failed: {exc}.")
 
 
 class StreamBroken(Exception):
@@ -180,7 +195,7 @@ class StreamBroken(Exception):
 
 
 async def _relay_timed(
-    resp: aiohttp.ClientResponse, send: Send, rename: tuple[bytes, bytes] | None, progress: Progress
+    resp: Response, send: Send, rename: tuple[bytes, bytes] | None, progress: Progress, keepalive: float | None
 ) -> None:
     """The relay loop, timing SSE data events without parsing them: a substring test per chunk,
     one clock read and one bisect per chunk that carries a data event, no allocation.
@@ -199,7 +214,7 @@ async def _relay_timed(
     pending = -1  # bucket of the gap not yet committed
     tail = None
     try:
-        async for chunk in resp.content.iter_any():
+        while (chunk := await resp.next_chunk(keepalive)) is not None:
             if rename is not None:
                 chunk = chunk.replace(*rename)
             if started:

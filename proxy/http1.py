@@ -15,7 +15,8 @@ from typing import Optional
 
 import httptools
 
-_HIGH_WATER = 1 << 20  # pause reading the upstream when this much is buffered for a slow client
+_HIGH_WATER = 1 << 20
+PING = b": ping\n\n"  # an SSE comment: clients ignore it, idle-timeout proxies see traffic  # pause reading the upstream when this much is buffered for a slow client
 
 
 class UpstreamError(Exception):
@@ -28,7 +29,7 @@ class UpstreamError(Exception):
 
 class Response:
     __slots__ = ("status", "content_type", "_conn", "_buf", "_size", "_waiter", "done", "_error", "_idle_timeout",
-                 "keep_alive", "got_bytes")
+                 "keep_alive", "got_bytes", "_boundary")
 
     def __init__(self, conn: "_Connection", idle_timeout: float) -> None:
         self.status = 0
@@ -42,6 +43,7 @@ class Response:
         self._idle_timeout = idle_timeout
         self.keep_alive = False
         self.got_bytes = False
+        self._boundary = True  # the body handed out so far ends between two SSE events
 
     # -- fed by the protocol --------------------------------------------------------------
     def _wake(self) -> None:
@@ -72,15 +74,30 @@ class Response:
             timer.cancel()
             self._waiter = None
 
-    async def next_chunk(self) -> Optional[bytes]:
-        """Everything that arrived since the last call; None at the end of the body."""
+    async def next_chunk(self, keepalive: Optional[float] = None) -> Optional[bytes]:
+        """Everything that arrived since the last call; None at the end of the body. With
+        `keepalive`, a silence that long between two SSE events yields an SSE comment instead."""
+        silent_since = 0.0
         while not self._buf:
             if self._error is not None:
                 raise self._error
             if self.done:
                 return None
-            await self._wait(self._idle_timeout, "the upstream went silent mid-body")
+            if keepalive is None:
+                await self._wait(self._idle_timeout, "the upstream went silent mid-body")
+                continue
+            now = time.monotonic()
+            silent_since = silent_since or now
+            left = self._idle_timeout - (now - silent_since)
+            if left <= 0:
+                raise UpstreamError("timeout", "the upstream went silent mid-body")
+            try:
+                await self._wait(min(keepalive, left), "the upstream went silent mid-body")
+            except UpstreamError:
+                if self._boundary and not self._buf and time.monotonic() - silent_since < self._idle_timeout:
+                    return PING
         data = self._buf[0] if len(self._buf) == 1 else b"".join(self._buf)
+        self._boundary = data.endswith(b"\n\n")
         self._buf.clear()
         if self._size > _HIGH_WATER:
             self._conn.transport.resume_reading()

@@ -128,7 +128,6 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     if route.rewrite or changed:
         parsed.data["model"] = route.upstream_id
         body = orjson.dumps(parsed.data)
-    headers = {**backend.headers, "X-Request-Id": request_id}
     response_headers = id_header
     if rt.explain:
         response_headers = [*id_header, (b"x-vllm-proxy-backend", backend.name.encode()), (b"x-vllm-proxy-route", reason.encode())]
@@ -144,7 +143,7 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     watch = DisconnectWatch(receive)
     try:
         status = str(await rt.upstream.exchange(
-            backend.urls[endpoint], body, headers, send, response_headers, progress, route.rename
+            backend, endpoint, body, request_id.encode("latin-1"), send, response_headers, progress, route.rename
         ))
     except asyncio.CancelledError:
         if not watch.gone:

@@ -207,7 +207,7 @@ def test_waiting_and_kv_usage_follow_the_sim(servers: Servers) -> None:
     proxy = servers.proxy_for(sim)
     assert eventually(lambda: gauge(proxy, "vllm_proxy_backend_requests_waiting") == 0, timeout=3)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(httpx.post, proxy.url + CHAT, json=chat(f"q{i}", max_tokens=60), timeout=30)
+        futures = [pool.submit(httpx.post, proxy.url + CHAT, json=chat(f"q{i}", max_tokens=40), timeout=30)
                    for i in range(4)]
         assert eventually(lambda: sim_of(sim).stats()["waiting"] == 3, timeout=3)
         assert eventually(lambda: gauge(proxy, "vllm_proxy_backend_requests_waiting") == 3, timeout=3)

@@ -41,6 +41,7 @@ from proxy.shared import SharedState
 _MASK = (1 << 64) - 1
 import os as _os
 _DEBUG = bool(_os.environ.get('VP_AFF_DEBUG'))  # TEMP
+STAY = float(_os.environ.get('STAY', '0.25'))
 _RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulators past it
 
 
@@ -99,6 +100,13 @@ class PrefixAffinity:
         self.tenant_rate = DecayedCounts(config.load_window_s, now)  # per pin, and None = all requests
         self.pins: dict[int, tuple[tuple[str, ...], float]] = shared.pins if shared is not None else {}
         self._changed: dict[int, float] = {}  # pin -> when its set last changed (as seen here)
+        self._epoch = 0  # bumped on every local table change
+        self._counts: dict[str, int] = {}  # tenants per replica, cached for `_counts_version`
+        self._counts_version: tuple = ()
+        self._slots_total = 0
+        self._planned: dict[int, str] = {}  # pin -> replica, see _plan
+        self._plan_at = 0.0
+        self._plan_key: tuple = ()
         if shared is not None:
             shared.rate_tau = config.load_window_s
             shared.local_rates = self.routed.snapshot
@@ -180,6 +188,18 @@ class PrefixAffinity:
         if best >= 0:
             if len(members) > 1:
                 self._maybe_shrink(pin, members, n, now)
+            elif present and self._may_move(pin, n, now):
+                # placements made while warming up are blind to popularity: once the tenants'
+                # shares are known, single-replica tenants move toward a balanced packing
+                want = self._plan(candidates, now).get(pin)
+                if want is not None and want != members[0] and (self.shared is None or self.shared.up):
+                    add = self._share(pin) * sum(rates) + 1
+                    for j, backend in enumerate(candidates):
+                        if backend.name == want:
+                            if rates[j] + add <= cap and flights[j] + 1 <= qcap:
+                                self._set(pin, (want,), now)
+                                return backend, "moved"
+                            break
             return candidates[best], "pinned"
         # A tenant grows only when its own traffic needs more replicas than it has (a copy of its
         # prompt elsewhere costs misses and cache space) and once enough history says so: while
@@ -235,10 +255,11 @@ class PrefixAffinity:
 
     def _move_target(
         self, candidates: Sequence[Backend], rates: list[float], flights: list[int], qcap: int, pin: int,
-        home: str, limit: float,
+        home: str, limit: float, roomy: bool = False,
     ) -> Backend | None:
         """Where a small tenant moves: a replica that stays below `limit` with the tenant's traffic
-        added, preferring one with room for another prompt (fewest tenants), then the least loaded."""
+        added, preferring one with room for another prompt (fewest tenants), then the least loaded;
+        `roomy`: only one with room."""
         n = len(candidates)
         counts = self._tenant_counts()
         slots = math.ceil(sum(counts.get(b.name, 0) for b in candidates) / n)
@@ -248,6 +269,8 @@ class PrefixAffinity:
             if backend.name == home or rates[i] + add > limit or flights[i] + 1 > qcap:
                 continue
             count = counts.get(backend.name, 0)
+            if roomy and count + 1 >= slots:
+                continue
             k = (count + 1 > slots, count, rates[i])
             if best_key is None or k < best_key:
                 best, best_key = backend, k
@@ -287,6 +310,7 @@ class PrefixAffinity:
 
     # -- the replica-set table ----------------------------------------------------------------------
     def _set(self, pin: int, members: Sequence[str], now: float) -> None:
+        self._epoch += 1
         if _DEBUG:  # TEMP
             import sys
             old = self.pins.get(pin, ((), 0))[0]
@@ -336,9 +360,53 @@ class PrefixAffinity:
         scaled = self.tenant_rate.scaled
         return scaled.get(pin, 0.0) / max(scaled.get(None, 0.0), 1e-9)
 
+    def _plan(self, candidates: Sequence[Backend], now: float) -> dict[int, str]:
+        """Where each single-replica tenant should live: longest-processing-time packing of the
+        tenants by traffic share, each replica taking at most its share of the prompts (rounded
+        up), a tenant staying home unless that is clearly worse. Multi-replica tenants stay as
+        they are. Recomputed at most every `move_after_s`."""
+        key = tuple(b.name for b in candidates)
+        if self._plan_key == key and now - self._plan_at < self.config.move_after_s:
+            return self._planned
+        n = len(candidates)
+        scaled = self.tenant_rate.scaled
+        total = max(scaled.get(None, 0.0), 1e-9)
+        load = dict.fromkeys(key, 0.0)
+        count = dict.fromkeys(key, 0)
+        singles = []
+        for pin, (members, _) in self.pins.items():
+            present = [m for m in members if m in load]
+            share = scaled.get(pin, 0.0) / total
+            if len(present) > 1:
+                for m in present:
+                    load[m] += share / len(present)
+                    count[m] += 1
+            elif present:
+                singles.append((share, pin, present[0]))
+        slots = -(-(sum(count.values()) + len(singles)) // n)
+        singles.sort(reverse=True)
+        plan: dict[int, str] = {}
+        stay = STAY / n
+        for share, pin, home in singles:
+            room = [name for name in key if count[name] < slots] or list(key)
+            best = min(room, key=load.__getitem__)
+            if home in room and load[home] <= load[best] + stay + 1e-12:
+                best = home
+            plan[pin] = best
+            load[best] += share
+            count[best] += 1
+        self._planned, self._plan_at, self._plan_key = plan, now, key
+        return plan
+
     def _tenant_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for members, _ in self.pins.values():
-            for name in members:
-                counts[name] = counts.get(name, 0) + 1
-        return counts
+        """Tenants per replica, recomputed only when the table changed."""
+        shared = self.shared
+        version = (len(self.pins), self._epoch, shared.pins_changed if shared is not None else 0)
+        if version != self._counts_version:
+            counts: dict[str, int] = {}
+            for members, _ in self.pins.values():
+                for name in members:
+                    counts[name] = counts.get(name, 0) + 1
+            self._counts, self._counts_version = counts, version
+            self._slots_total = sum(counts.values())
+        return self._counts

@@ -143,7 +143,7 @@ class AffinityConfig(Strict):
         0.1, ge=0, description="extra relative headroom a conversation's continuation gets on the replica holding it"
     )
     queue_slack: int = Field(
-        4, ge=0, description="in-flight guard: skip a replica with more than ceil((1+eps) x mean) + this in flight"
+        8, ge=0, description="in-flight guard: skip a replica with more than ceil((1+eps) x mean) + this in flight"
     )
     grow_fill: float = Field(
         0.9, gt=0, description="a tenant's replica set grows only when its own traffic exceeds this fraction of what "

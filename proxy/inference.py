@@ -128,40 +128,36 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     if route.rewrite or changed:
         parsed.data["model"] = route.upstream_id
         body = orjson.dumps(parsed.data)
-    response_headers = id_header
-    if rt.explain:
-        response_headers = [*id_header, (b"x-vllm-proxy-backend", backend.name.encode()), (b"x-vllm-proxy-route", reason.encode())]
-    metrics.child(metrics.decisions, rt.policy.name, reason).inc()
-
-    status = "502"
-    backend.in_flight += 1
-    if route.adapter is not None: rt.lora.acquire(backend, route.adapter)  # noqa: E701 (LoRA in-flight, proxy/lora.py)
-    in_flight = metrics.child(metrics.in_flight, backend.name)
-    in_flight.inc()
-    series = metrics.series(route.name, backend.name, endpoint)
-    progress = Progress(started, series.stream_sink)
+    rid = request_id.encode("latin-1")
+    rt.retries.deposit()
+    tried: list[Backend] = []
     watch = DisconnectWatch(receive)
     try:
-        status = str(await rt.upstream.exchange(
-            backend, endpoint, body, request_id.encode("latin-1"), send, response_headers, progress, route.rename
-        ))
-    except asyncio.CancelledError:
-        if not watch.gone:
-            raise
-        status = CLIENT_CLOSED
-        phase = "streaming" if progress.started else "before_first_byte"
-        metrics.child(metrics.disconnects, route.name, phase).inc()
-    except UpstreamFailure as failure:
-        metrics.child(metrics.upstream_errors, backend.name, failure.kind).inc()
-        status = str(failure.status)
-        await send_error(send, failure, response_headers)
-    except StreamBroken as broken:
-        metrics.child(metrics.upstream_errors, backend.name, broken.failure.kind).inc()
+        while True:
+            status, progress, series, failure = await _attempt(
+                rt, route, endpoint, body, rid, send, id_header, backend, reason, started, watch
+            )
+            if failure is None:
+                break
+            tried.append(backend)
+            retry = len(tried) < rt.retries.max_attempts and rt.retries.withdraw()
+            if retry:
+                try:
+                    backend, reason = await choose(rt, route, parsed, trusted_only, tried)
+                except ProxyError:
+                    retry = False
+                except asyncio.CancelledError:
+                    if not watch.gone:
+                        raise
+                    status = CLIENT_CLOSED
+                    break
+            if not retry:
+                await send_error(send, failure, _response_headers(rt, id_header, backend, reason))
+                break
+            metrics.child(metrics.retries, route.name, failure.kind).inc()
+            reason = "retry"
     finally:
         watch.stop()
-        backend.in_flight -= 1
-        if route.adapter is not None: rt.lora.release(backend, route.adapter)  # noqa: E701
-        in_flight.dec()
     # metrics and the access log (proxy/metrics.py, proxy/accesslog.py)
     ended = time.perf_counter()
     series.status(status).inc()
@@ -179,11 +175,77 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
                      ttft, overhead, progress.tail if parsed.stream else progress.body)
 
 
-async def choose(rt: Runtime, route: Route, parsed: ParsedRequest, trusted_only: bool = False) -> tuple[Backend, str]:
-    if trusted_only:
-        candidates = [b for b in route.backends if b.healthy and b.config.trust_request_mm_kwargs]
-    else:
-        candidates = [b for b in route.backends if b.healthy]
+async def _attempt(
+    rt: Runtime, route: Route, endpoint: str, body: bytes, rid: bytes, send: Send, id_header: list,
+    backend: Backend, reason: str, started: float, watch: "DisconnectWatch",
+) -> tuple[str, Progress, object, UpstreamFailure | None]:
+    """One exchange with one replica. Returns (status, progress, series, failure): `failure` is
+    set only when nothing reached the client and another replica may be tried."""
+    metrics = rt.metrics
+    metrics.child(metrics.decisions, rt.policy.name, reason).inc()
+    status = "502"
+    failure = None
+    backend.in_flight += 1
+    if route.adapter is not None: rt.lora.acquire(backend, route.adapter)  # noqa: E701 (LoRA in-flight, proxy/lora.py)
+    in_flight = metrics.child(metrics.in_flight, backend.name)
+    in_flight.inc()
+    series = metrics.series(route.name, backend.name, endpoint)
+    progress = Progress(started, series.stream_sink)
+    try:
+        code = await rt.upstream.exchange(
+            backend, endpoint, body, rid, send, _response_headers(rt, id_header, backend, reason), progress,
+            route.rename, retryable=True,
+        )
+        status = str(code)
+        if code >= 500:
+            rt.outliers.failure(backend)
+        else:
+            rt.outliers.success(backend)
+    except asyncio.CancelledError:
+        if not watch.gone:
+            raise
+        status = CLIENT_CLOSED
+        phase = "streaming" if progress.started else "before_first_byte"
+        metrics.child(metrics.disconnects, route.name, phase).inc()
+    except UpstreamFailure as exc:
+        metrics.child(metrics.upstream_errors, backend.name, exc.kind).inc()
+        rt.outliers.failure(backend)
+        status, failure = str(exc.status), exc
+    except StreamBroken as broken:
+        metrics.child(metrics.upstream_errors, backend.name, broken.failure.kind).inc()
+        rt.outliers.failure(backend)
+    finally:
+        backend.in_flight -= 1
+        if route.adapter is not None: rt.lora.release(backend, route.adapter)  # noqa: E701
+        in_flight.dec()
+        rt.admission.released()
+    return status, progress, series, failure
+
+
+def _response_headers(rt: Runtime, id_header: list, backend: Backend, reason: str) -> list:
+    if not rt.explain:
+        return id_header
+    return [*id_header, (b"x-vllm-proxy-backend", backend.name.encode()), (b"x-vllm-proxy-route", reason.encode())]
+
+
+async def choose(
+    rt: Runtime, route: Route, parsed: ParsedRequest, trusted_only: bool = False, exclude: list[Backend] | None = None
+) -> tuple[Backend, str]:
+    """The replica for this request: healthy, not ejected, not already tried, able to serve the
+    route (and multimodal input, if asked), with a free slot — waiting in the admission queue
+    while every such replica is at its limit."""
+    while True:
+        now = time.monotonic()
+        candidates = [
+            b for b in route.backends
+            if b.healthy and b.ejected_until <= now and (not trusted_only or b.config.trust_request_mm_kwargs)
+            and (exclude is None or b not in exclude)
+        ]
+        free = [b for b in candidates if b.in_flight < b.limit]
+        if free or not candidates:
+            break
+        await rt.admission.wait()
+    candidates = free
     if route.adapter is not None:  # only replicas holding the adapter; loads it on demand (proxy/lora.py)
         return await rt.lora.choose(rt.policy, route, candidates, parsed)
     if not candidates:

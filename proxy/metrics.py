@@ -235,6 +235,10 @@ class Metrics:
             "vllm_proxy_multimodal_requests", "Multimodal requests by deployment and policy decision.",
             ["deployment", "decision"], registry=r,
         )
+        self.retries = Counter(
+            "vllm_proxy_retries", "Requests retried on another replica, by the first failure's kind.",
+            ["deployment", "kind"], registry=r,
+        )
         self.lora_ops = Counter(
             "vllm_proxy_lora_operations", "LoRA adapter loads and unloads made by the proxy.",
             ["adapter", "backend", "op", "reason", "outcome"], registry=r,

@@ -10,7 +10,10 @@ from proxy.health import Discovery
 from proxy.lora import LoraManager
 from proxy.accesslog import AccessLog
 from proxy.metrics import Metrics
+from proxy.admission import Admission
 from proxy.multimodal import MultimodalGate
+from proxy.outlier import Outliers
+from proxy.retry import RetryBudget
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route, build_catalog
 from proxy.routing.policies import make_policy
@@ -63,12 +66,19 @@ class Runtime:
             self.metrics.lora_ops, getattr(self.policy, "load", None),
         )
         self.auth = Authenticator(config.auth) if config.auth.keys else None
+        self.outliers = Outliers(config.server.outlier, self._groups_of)
+        self.retries = RetryBudget(config.server.retries)
+        self.admission = Admission(config.server.max_queue, config.server.queue_timeout_s)
         self.max_body_bytes = config.server.max_body_bytes
         self.explain = config.server.explain_headers
 
     def rebuild_catalog(self) -> None:
         """Swapped whole, so a request sees one consistent catalog."""
         self.catalog = build_catalog(self.config.deployments, self.backends)
+
+    def _groups_of(self, backend: Backend) -> list[tuple[Backend, ...]]:
+        """The replica sets of every deployment `backend` serves."""
+        return [r.backends for r in self.catalog.values() if backend in r.backends]
 
     def _health_changed(self, backend: Backend) -> None:
         self.metrics.child(self.metrics.backend_up, backend.name).set(1 if backend.healthy else 0)

@@ -2,7 +2,8 @@
 
 The request path makes at most one Redis round trip (an MGET of the prompt's block hashes),
 bounded by a short timeout; only the first request of a never-seen tenant makes one more (an
-atomic set-if-absent of its placement). Writes are batched by a background flusher, and each
+atomic set-if-absent of its placement), and so does a request that grows a tenant's replica set
+(an atomic compare-and-set, so proxies growing one tenant at once agree on the new member). Writes are batched by a background flusher, and each
 proxy publishes its per-replica in-flight counts and smoothed routed counts a few times a
 second. Tenant placements (pin key -> ordered replica set) live in one hash that every proxy
 mirrors locally, re-read only when its version counter moves. When Redis is unreachable the
@@ -31,6 +32,19 @@ PINS_VERSION = "vp:pins:v"
 _PLACE = """
 if redis.call('hsetnx', KEYS[1], ARGV[1], ARGV[2]) == 1 then redis.call('incr', KEYS[2]) end
 return redis.call('hget', KEYS[1], ARGV[1])
+"""
+
+# change a tenant's set only if it still is what the caller saw (compare-and-set), so proxies
+# growing the same tenant at the same time agree on one new member; returns the current value
+_GROW = """
+local cur = redis.call('hget', KEYS[1], ARGV[1])
+local members = cur and string.match(cur, '^(.*)|[^|]*$') or cur
+if members == ARGV[2] or not cur then
+  redis.call('hset', KEYS[1], ARGV[1], ARGV[3])
+  redis.call('incr', KEYS[2])
+  return ARGV[3]
+end
+return cur
 """
 
 
@@ -77,6 +91,8 @@ class SharedState:
         self.on_status = on_status
         self.proxy_id = f"{os.uname().nodename}:{os.getpid()}:{id(self):x}"
         self.up = False
+        self.leader = True  # see _sync
+        self._live_proxies: set[str] = set()
         self._said_down = False
         self.remote_load: dict[str, int] = {}
         # smoothed routed counts of the other proxies, decayed to `remote_rate_at` (unix time)
@@ -136,6 +152,27 @@ class SharedState:
             self._busy -= 1
         parsed = parse_pin(stored or value)
         self.pins[pin] = parsed
+        return parsed[0]
+
+    async def grow(self, pin: int, old: Sequence[str], members: Sequence[str]) -> tuple[str, ...] | None:
+        """Change a tenant's set from `old` to `members` unless another proxy changed it first;
+        returns the set now in force, or None when Redis cannot answer now."""
+        if not self.up or self._busy >= self.max_connections - 1:
+            return None
+        value = format_pin(members, time.time())
+        self._busy += 1
+        try:
+            stored = await asyncio.wait_for(
+                self.client.eval(_GROW, 2, PINS_KEY, PINS_VERSION, f"{pin:016x}", ",".join(old), value), self.timeout
+            )
+        except Exception as exc:
+            self._down(exc)
+            return None
+        finally:
+            self._busy -= 1
+        parsed = parse_pin(stored or value)
+        self.pins[pin] = parsed
+        self._pending_pins.pop(pin, None)
         return parsed[0]
 
     def set_pin(self, pin: int, members: Sequence[str]) -> None:
@@ -198,6 +235,9 @@ class SharedState:
         pipe.get(PINS_VERSION)
         results = await asyncio.wait_for(pipe.execute(), max(self.timeout * 4, 0.5))
         self.remote_load, self.remote_rate = self._others(results[-2], now)
+        # the leader (smallest live proxy id) alone re-plans tenant placements, so proxies with
+        # slightly different traffic estimates do not move tenants back and forth
+        self.leader = all(self.proxy_id <= p for p in self._live_proxies)
         self.remote_rate_at = now
         version = results[-1]
         if version != self._pins_version:
@@ -230,6 +270,7 @@ class SharedState:
     def _others(self, table: dict[str, str], now: float) -> tuple[dict[str, int], dict[str, float]]:
         totals: dict[str, int] = {}
         rates: dict[str, float] = {}
+        live: set[str] = set()
         stale = []
         tau = self.rate_tau
         for field, value in table.items():
@@ -246,10 +287,12 @@ class SharedState:
             if age > 5.0:
                 stale.append(field)
             elif proxy != self.proxy_id and age <= max(1.0, 10 * self.sync_interval):
+                live.add(proxy)
                 totals[backend] = totals.get(backend, 0) + n
                 rates[backend] = rates.get(backend, 0.0) + r * math.exp(-max(age, 0.0) / tau)
         if stale:
             asyncio.get_running_loop().create_task(self._drop(stale))
+        self._live_proxies = live
         return totals, rates
 
     async def _drop(self, fields: list[str], key: str = LOAD_KEY) -> None:

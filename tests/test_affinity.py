@@ -160,3 +160,29 @@ def test_explain_headers_can_be_switched_off(servers: Servers) -> None:
                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert resp.status_code == 200 and "x-vllm-proxy-backend" not in resp.headers
     assert resp.headers["x-request-id"]
+
+
+def test_shared_growth_is_compare_and_set_and_connections_are_bounded(redis_db) -> None:
+    """Two proxies growing one tenant at once agree on a single new member; a burst of lookups
+    opens at most `max_connections` Redis connections and degrades to local state, not to errors."""
+    from proxy.shared import SharedState
+
+    async def scenario() -> None:
+        a = SharedState(REDIS_URL, local_load=dict, max_connections=4)
+        b = SharedState(REDIS_URL, local_load=dict, max_connections=4)
+        a.up = b.up = True
+        try:
+            assert await a.place(42, ("gpu-0",)) == ("gpu-0",)
+            assert await b.place(42, ("gpu-1",)) == ("gpu-0",)  # set-if-absent: a won
+            first, second = await asyncio.gather(a.grow(42, ("gpu-0",), ("gpu-0", "gpu-1")),
+                                                 b.grow(42, ("gpu-0",), ("gpu-0", "gpu-2")))
+            assert first == second and len(first) == 2
+            results = await asyncio.gather(*(a.longest([1, 2, 3]) for _ in range(50)))
+            assert all(r in ((0, None), None) for r in results) and a.up
+            assert a.pool_full > 0 and len(a.client.connection_pool._in_use_connections) == 0
+            assert redis_db.client_list().__len__() <= 1 + 4 + 4
+        finally:
+            await a.client.aclose()
+            await b.client.aclose()
+
+    asyncio.run(scenario())

@@ -105,6 +105,8 @@ class PrefixAffinity:
         self._counts_version: tuple = ()
         self._slots_total = 0
         self._planned: dict[int, str] = {}  # pin -> replica, see _plan
+        self._fleet_rate = 0.0  # smoothed requests routed over all proxies, as of the last decision
+        self._growing: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # (old set, new set) for _grow
         self._plan_at = 0.0
         self._plan_key: tuple = ()
         if shared is not None:
@@ -142,6 +144,8 @@ class PrefixAffinity:
         chosen, reason = self._choose(candidates, key.pin, key.pin_blocks, match, now)
         if reason == "place":
             chosen, reason = await self._place(candidates, key.pin, chosen, now)
+        elif reason == "grow":
+            chosen, reason = await self._grow(candidates, key.pin, chosen, now)
         self.routed.add(chosen.name, now)
         up = self.tenant_rate.factor(now)
         self.tenant_rate.add(key.pin, now, up)
@@ -159,7 +163,8 @@ class PrefixAffinity:
         n = len(candidates)
         rates = self.smoothed(candidates, now)
         flights = [self.load(b) for b in candidates]
-        mean = (sum(rates) + 1.0) / n
+        self._fleet_rate = total = sum(rates)
+        mean = (total + 1.0) / n
         cap = (1.0 + cfg.epsilon) * mean + cfg.load_slack
         qcap = math.ceil((1.0 + cfg.epsilon) * (sum(flights) + 1) / n) + cfg.queue_slack
 
@@ -188,7 +193,7 @@ class PrefixAffinity:
         if best >= 0:
             if len(members) > 1:
                 self._maybe_shrink(pin, members, n, now)
-            elif present and self._may_move(pin, n, now):
+            elif present and (self.shared is None or self.shared.leader) and self._may_move(pin, n, now):
                 # placements made while warming up are blind to popularity: once the tenants'
                 # shares are known, single-replica tenants move toward a balanced packing
                 want = self._plan(candidates, now).get(pin)
@@ -223,11 +228,18 @@ class PrefixAffinity:
                         break
             if best >= 0:
                 return candidates[best], "pinned"
+            if _DEBUG:  # TEMP
+                import sys
+                print(f"SPILL pin={pin % 1000} rates={[round(r) for r in rates]} cap={cap:.0f} flights={flights} qcap={qcap}", file=sys.stderr, flush=True)
             return other, "spill"
         # every member is over the bound (or gone): grow the set by the best other replica
         chosen = self._best(candidates, rates, flights, cap, qcap, pin, members, grow=present > 0)
-        if self.shared is None or self.shared.up or present == 0:
-            self._set(pin, members + (chosen.name,) if present else (chosen.name,), now)
+        if present and self.shared is not None:
+            if self.shared.up:
+                self._growing = (members, members + (chosen.name,))
+                return chosen, "grow"
+            return chosen, "spill"
+        self._set(pin, members + (chosen.name,) if present else (chosen.name,), now)
         return chosen, "spill" if present else "pinned"
 
     def _best(
@@ -296,6 +308,21 @@ class PrefixAffinity:
                     return backend, "pinned"
         return chosen, "pinned"
 
+    async def _grow(self, candidates: Sequence[Backend], pin: int, chosen: Backend, now: float) -> tuple[Backend, str]:
+        """Grow the set through the shared table (compare-and-set): when another proxy changed it
+        first, follow its set: its least-loaded member, or `chosen` if it is a member."""
+        old, new = self._growing
+        members = await self.shared.grow(pin, old, new)  # type: ignore[union-attr]
+        self._changed[pin] = now
+        self._epoch += 1
+        if members is None or chosen.name in members:
+            return chosen, "spill"
+        inside = [b for b in candidates if b.name in members]
+        if not inside:
+            return chosen, "spill"
+        rates = self.smoothed(inside, now)
+        return inside[min(range(len(inside)), key=rates.__getitem__)], "pinned"
+
     def _rendezvous(self, candidates: Sequence[Backend], pin: int, now: float) -> tuple[Backend, str]:
         """Stateless fallback: the pin's rendezvous order, first replica under the bound."""
         cfg = self.config
@@ -341,13 +368,16 @@ class PrefixAffinity:
     def _may_move(self, pin: int, n: int, now: float) -> bool:
         """Known to be small (at most half a replica's traffic, after warm-up) and not moved lately."""
         cfg = self.config
-        changed = self._changed.setdefault(pin, now)
+        changed = max(self._changed.setdefault(pin, now), self.pins.get(pin, ((), 0.0))[1])
         if now - changed < cfg.move_after_s or not self._warm(now):
             return False
         return self._share(pin) * n <= 0.5
 
     def _warm(self, now: float) -> bool:
-        return self.tenant_rate.scaled.get(None, 0.0) >= self.config.grow_min_requests * self.tenant_rate.factor(now)
+        """Enough traffic over all proxies (and some here) for the tenants' shares to mean something."""
+        local = self.tenant_rate.scaled.get(None, 0.0) / self.tenant_rate.factor(now)
+        need = self.config.grow_min_requests
+        return self._fleet_rate >= need and local >= need / 4
 
     def _may_grow(self, pin: int, size: int, n: int) -> bool:
         """Enough history, and the tenant alone nearly fills the replicas it has."""
@@ -383,7 +413,7 @@ class PrefixAffinity:
                     count[m] += 1
             elif present:
                 singles.append((share, pin, present[0]))
-        slots = -(-(sum(count.values()) + len(singles)) // n)
+        slots = math.ceil(1.1 * (sum(count.values()) + len(singles)) / n)  # 10 % slack: fewer moves
         singles.sort(reverse=True)
         plan: dict[int, str] = {}
         stay = STAY / n

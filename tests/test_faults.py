@@ -1,0 +1,157 @@
+"""Fault tests with real servers: a hung replica, a killed one, one answering 5xx, a slow one,
+Redis dying mid-run, and a storm of client disconnects. Clients must not notice."""
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL, Servers, eventually, sim_of
+
+CHAT = "/v1/chat/completions"
+
+
+def ask(url: str, i: int, stream: bool = False) -> tuple[int, float]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 2, "stream": stream}
+    started = time.monotonic()
+    try:
+        resp = httpx.post(url + CHAT, json=body, timeout=30)
+        ok = 599 if resp.status_code == 200 and stream and "[DONE]" not in resp.text else resp.status_code
+    except httpx.HTTPError:
+        ok = 0
+    return ok, time.monotonic() - started
+
+
+def run(url: str, n: int, workers: int = 8) -> list[tuple[int, float]]:
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda i: ask(url, i, stream=i % 2 == 0), range(n)))
+
+
+def fault(sim, **changes) -> None:
+    assert httpx.post(sim.url + "/sim/faults", json=changes).status_code == 200
+
+
+def fleet_of_four(servers: Servers, **proxy_config):
+    sims = [servers.sim() for _ in range(4)]
+    config = {"routing": {"policy": "least_loaded"}, **proxy_config}
+    config.setdefault("server", {})
+    config["server"] = {"timeouts": {"first_byte": 0.5}, **config["server"]}
+    return servers.proxy_for(*sims, **config), sims
+
+
+def test_one_hung_replica_of_four(servers: Servers) -> None:
+    proxy, sims = fleet_of_four(servers)
+    fault(sims[1], hang=True)  # accepts connections, never answers (SIGSTOP-like)
+    results = run(proxy.url, 200)
+    assert [r for r in results if r[0] != 200] == []
+    assert max(t for _, t in results) < 0.5 + 1.5  # first-byte timeout plus normal latency
+    assert sum(sim_of(s).stats()["completed"] for s in sims) >= 200
+    fault(sims[1], hang=False)
+
+
+def test_one_killed_replica_of_four(servers: Servers) -> None:
+    # discovery polls rarely here: retries and passive ejection must carry it alone
+    proxy, sims = fleet_of_four(servers, discovery={"interval_s": 30, "timeout_s": 1, "failures_to_down": 1})
+    sims[2].stop()
+    results = run(proxy.url, 200)
+    assert [r for r in results if r[0] != 200] == []
+
+
+def test_replica_answering_503_is_retried_elsewhere(servers: Servers) -> None:
+    proxy, sims = fleet_of_four(servers)
+    fault(sims[0], error_rate=1.0, error_status=503)
+    results = run(proxy.url, 100)
+    assert [r for r in results if r[0] != 200] == []
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert "vllm_proxy_retries_total" in metrics
+
+
+def test_replica_answering_500_is_ejected(servers: Servers) -> None:
+    """500 is not retried (the request may have had effects), but the replica is ejected after a
+    few consecutive failures, so only those few reach clients."""
+    proxy, sims = fleet_of_four(servers, server={"outlier": {"consecutive_failures": 3, "base_ejection_s": 60}})
+    fault(sims[3], error_rate=1.0, error_status=500)
+    results = run(proxy.url, 100, workers=1)
+    failures = [r for r in results if r[0] != 200]
+    assert 1 <= len(failures) <= 3
+    assert all(code == 500 for code, _ in failures)
+
+
+def test_last_replica_is_never_ejected(servers: Servers) -> None:
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim, server={"outlier": {"consecutive_failures": 1}})
+    fault(sim, error_rate=1.0, error_status=500)
+    for i in range(5):
+        assert ask(proxy.url, i)[0] == 500  # the replica's own answer, not a 503 from an empty fleet
+    fault(sim, error_rate=0.0)
+    assert ask(proxy.url, 99)[0] == 200
+
+
+def test_slow_replica(servers: Servers) -> None:
+    proxy, sims = fleet_of_four(servers, server={"timeouts": {"first_byte": 5}})
+    fault(sims[0], slow_ms=300)
+    results = run(proxy.url, 80)
+    assert [r for r in results if r[0] != 200] == []
+    assert sim_of(sims[0]).stats()["completed"] < 40  # least-loaded steered around it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+def test_redis_stopped_mid_run(servers: Servers) -> None:
+    port = free_port()
+    redis = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+                             stdout=subprocess.DEVNULL)
+    try:
+        sims = [servers.sim() for _ in range(3)]
+        proxy = servers.proxy_for(*sims, redis={"url": f"redis://127.0.0.1:{port}/0"})
+        up = lambda: 'vllm_proxy_redis_up 1.0' in httpx.get(proxy.url + "/metrics").text  # noqa: E731
+        assert eventually(up, timeout=5)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            first = pool.map(lambda i: ask(proxy.url, i), range(100))
+            redis.kill()
+            redis.wait()
+            second = list(pool.map(lambda i: ask(proxy.url, i), range(100, 200)))
+        assert [r for r in [*first, *second] if r[0] != 200] == []
+        assert eventually(lambda: not up(), timeout=5)
+        redis = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+                                 stdout=subprocess.DEVNULL)
+        assert eventually(up, timeout=10)  # reconnects by itself
+        assert all(ask(proxy.url, i)[0] == 200 for i in range(20))
+    finally:
+        redis.kill()
+        redis.wait()
+
+
+def test_storm_of_client_disconnects(servers: Servers) -> None:
+    sims = [servers.sim(time_scale=1.0, itl_ms=20.0, prefill_ms_per_token=0.5) for _ in range(2)]
+    proxy = servers.proxy_for(*sims)
+    body = b'{"model":"%s","messages":[{"role":"user","content":"%s"}],"max_tokens":200,"stream":true}' % (
+        MODEL.encode(), b"long prompt " * 200)
+    request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    socks = []
+    for i in range(100):
+        sock = socket.create_connection(("127.0.0.1", proxy.port))
+        sock.sendall(request)
+        socks.append(sock)
+        if i % 2:
+            time.sleep(0.002)
+    time.sleep(0.3)  # some are in prefill, some mid-stream
+    for sock in socks:
+        sock.close()
+    assert eventually(lambda: all(sim_of(s).stats()["running"] + sim_of(s).stats()["waiting"] == 0 for s in sims), timeout=3)
+    app = proxy.server.config.app
+    assert eventually(lambda: all(b.in_flight == 0 for b in app.runtime.backends), timeout=3)
+    assert 'vllm_proxy_in_flight_requests{backend="gpu-0"} 0.0' in httpx.get(proxy.url + "/metrics").text
+    idle = sum(len(v) for v in app.runtime.upstream.pool._idle.values())
+    assert idle <= 10  # aborted exchanges dropped their connections instead of pooling them
+    assert ask(proxy.url, 1)[0] == 200

@@ -91,8 +91,6 @@ class SharedState:
         self.on_status = on_status
         self.proxy_id = f"{os.uname().nodename}:{os.getpid()}:{id(self):x}"
         self.up = False
-        self.leader = True  # see _sync
-        self._live_proxies: set[str] = set()
         self._said_down = False
         self.remote_load: dict[str, int] = {}
         # smoothed routed counts of the other proxies, decayed to `remote_rate_at` (unix time)
@@ -235,9 +233,6 @@ class SharedState:
         pipe.get(PINS_VERSION)
         results = await asyncio.wait_for(pipe.execute(), max(self.timeout * 4, 0.5))
         self.remote_load, self.remote_rate = self._others(results[-2], now)
-        # the leader (smallest live proxy id) alone re-plans tenant placements, so proxies with
-        # slightly different traffic estimates do not move tenants back and forth
-        self.leader = all(self.proxy_id <= p for p in self._live_proxies)
         self.remote_rate_at = now
         version = results[-1]
         if version != self._pins_version:
@@ -270,7 +265,6 @@ class SharedState:
     def _others(self, table: dict[str, str], now: float) -> tuple[dict[str, int], dict[str, float]]:
         totals: dict[str, int] = {}
         rates: dict[str, float] = {}
-        live: set[str] = set()
         stale = []
         tau = self.rate_tau
         for field, value in table.items():
@@ -287,12 +281,10 @@ class SharedState:
             if age > 5.0:
                 stale.append(field)
             elif proxy != self.proxy_id and age <= max(1.0, 10 * self.sync_interval):
-                live.add(proxy)
                 totals[backend] = totals.get(backend, 0) + n
                 rates[backend] = rates.get(backend, 0.0) + r * math.exp(-max(age, 0.0) / tau)
         if stale:
             asyncio.get_running_loop().create_task(self._drop(stale))
-        self._live_proxies = live
         return totals, rates
 
     async def _drop(self, fields: list[str], key: str = LOAD_KEY) -> None:

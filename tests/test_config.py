@@ -77,3 +77,12 @@ def test_deployment_multimodal_overrides_are_checked_by_path() -> None:
         "deployments": [{"name": "d", "model": "m"}, {"name": "e", "model": "m", "multimodal": {"mode": "nope"}}],
     })
     assert found == ["deployments[1].multimodal.mode: Input should be 'route_to_trusted', 'reject' or 'allow'"]
+
+
+def test_readme_configuration_reference_is_current() -> None:
+    from proxy.schema_doc import END, START, markdown
+
+    text = (ROOT / "README.md").read_text()
+    assert text[text.index(START) + len(START):text.index(END)].strip() == markdown().strip(), (
+        "README's configuration reference is stale: run python -m proxy.schema_doc --write README.md"
+    )

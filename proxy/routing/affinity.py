@@ -39,9 +39,6 @@ from proxy.routing.index import PrefixIndex
 from proxy.shared import SharedState
 
 _MASK = (1 << 64) - 1
-import os as _os
-_DEBUG = bool(_os.environ.get('VP_AFF_DEBUG'))  # TEMP
-STAY = float(_os.environ.get('STAY', '0.25'))
 _RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulators past it
 
 
@@ -104,11 +101,8 @@ class PrefixAffinity:
         self._counts: dict[str, int] = {}  # tenants per replica, cached for `_counts_version`
         self._counts_version: tuple = ()
         self._slots_total = 0
-        self._planned: dict[int, str] = {}  # pin -> replica, see _plan
         self._fleet_rate = 0.0  # smoothed requests routed over all proxies, as of the last decision
         self._growing: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # (old set, new set) for _grow
-        self._plan_at = 0.0
-        self._plan_key: tuple = ()
         if shared is not None:
             shared.rate_tau = config.load_window_s
             shared.local_rates = self.routed.snapshot
@@ -193,18 +187,6 @@ class PrefixAffinity:
         if best >= 0:
             if len(members) > 1:
                 self._maybe_shrink(pin, members, n, now)
-            elif present and (self.shared is None or self.shared.leader) and self._may_move(pin, n, now):
-                # placements made while warming up are blind to popularity: once the tenants'
-                # shares are known, single-replica tenants move toward a balanced packing
-                want = self._plan(candidates, now).get(pin)
-                if want is not None and want != members[0] and (self.shared is None or self.shared.up):
-                    add = self._share(pin) * sum(rates) + 1
-                    for j, backend in enumerate(candidates):
-                        if backend.name == want:
-                            if rates[j] + add <= cap and flights[j] + 1 <= qcap:
-                                self._set(pin, (want,), now)
-                                return backend, "moved"
-                            break
             return candidates[best], "pinned"
         # A tenant grows only when its own traffic needs more replicas than it has (a copy of its
         # prompt elsewhere costs misses and cache space) and once enough history says so: while
@@ -228,9 +210,6 @@ class PrefixAffinity:
                         break
             if best >= 0:
                 return candidates[best], "pinned"
-            if _DEBUG:  # TEMP
-                import sys
-                print(f"SPILL pin={pin % 1000} rates={[round(r) for r in rates]} cap={cap:.0f} flights={flights} qcap={qcap}", file=sys.stderr, flush=True)
             return other, "spill"
         # every member is over the bound (or gone): grow the set by the best other replica
         chosen = self._best(candidates, rates, flights, cap, qcap, pin, members, grow=present > 0)
@@ -296,9 +275,6 @@ class PrefixAffinity:
         if not shared.up:
             return self._rendezvous(candidates, pin, now)
         members = await shared.place(pin, (chosen.name,))
-        if _DEBUG:  # TEMP
-            import sys
-            print(f"PLACE t={now % 1000:.2f} pin={pin % 1000} {chosen.name} -> {members}", file=sys.stderr, flush=True)
         if members is None:
             return self._rendezvous(candidates, pin, now)
         self._changed[pin] = now
@@ -338,11 +314,6 @@ class PrefixAffinity:
     # -- the replica-set table ----------------------------------------------------------------------
     def _set(self, pin: int, members: Sequence[str], now: float) -> None:
         self._epoch += 1
-        if _DEBUG:  # TEMP
-            import sys
-            old = self.pins.get(pin, ((), 0))[0]
-            if tuple(members) != old:
-                print(f"SET t={now % 1000:.2f} pin={pin % 1000} share={self._share(pin):.3f} {old}->{tuple(members)}", file=sys.stderr, flush=True)
         self._changed[pin] = now
         if self.shared is not None:
             self.shared.set_pin(pin, members)
@@ -389,44 +360,6 @@ class PrefixAffinity:
         """This tenant's share of the requests routed here (decayed)."""
         scaled = self.tenant_rate.scaled
         return scaled.get(pin, 0.0) / max(scaled.get(None, 0.0), 1e-9)
-
-    def _plan(self, candidates: Sequence[Backend], now: float) -> dict[int, str]:
-        """Where each single-replica tenant should live: longest-processing-time packing of the
-        tenants by traffic share, each replica taking at most its share of the prompts (rounded
-        up), a tenant staying home unless that is clearly worse. Multi-replica tenants stay as
-        they are. Recomputed at most every `move_after_s`."""
-        key = tuple(b.name for b in candidates)
-        if self._plan_key == key and now - self._plan_at < self.config.move_after_s:
-            return self._planned
-        n = len(candidates)
-        scaled = self.tenant_rate.scaled
-        total = max(scaled.get(None, 0.0), 1e-9)
-        load = dict.fromkeys(key, 0.0)
-        count = dict.fromkeys(key, 0)
-        singles = []
-        for pin, (members, _) in self.pins.items():
-            present = [m for m in members if m in load]
-            share = scaled.get(pin, 0.0) / total
-            if len(present) > 1:
-                for m in present:
-                    load[m] += share / len(present)
-                    count[m] += 1
-            elif present:
-                singles.append((share, pin, present[0]))
-        slots = math.ceil(1.1 * (sum(count.values()) + len(singles)) / n)  # 10 % slack: fewer moves
-        singles.sort(reverse=True)
-        plan: dict[int, str] = {}
-        stay = STAY / n
-        for share, pin, home in singles:
-            room = [name for name in key if count[name] < slots] or list(key)
-            best = min(room, key=load.__getitem__)
-            if home in room and load[home] <= load[best] + stay + 1e-12:
-                best = home
-            plan[pin] = best
-            load[best] += share
-            count[best] += 1
-        self._planned, self._plan_at, self._plan_key = plan, now, key
-        return plan
 
     def _tenant_counts(self) -> dict[str, int]:
         """Tenants per replica, recomputed only when the table changed."""

@@ -1,0 +1,86 @@
+"""The configuration reference, generated from the pydantic schema (so it cannot drift).
+
+    python -m proxy.schema_doc            # print the Markdown table
+    python -m proxy.schema_doc --write README.md   # replace the marked section of a file
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import typing
+from pathlib import Path
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from proxy.config import ProxyConfig
+
+START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def _type_name(annotation: object) -> str:
+    text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
+    text = re.sub(r"\b(typing|proxy\.config)\.", "", text)
+    return text.replace("NoneType", "null").replace("|", " \\| ")
+
+
+def _model_of(annotation: object) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
+    out = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        nested = _model_of(field.annotation)
+        is_list = typing.get_origin(field.annotation) is list or "list[" in repr(field.annotation)
+        if nested is not None:
+            out.append((path + ("[]" if is_list else ""), nested.__name__, "", " ".join((nested.__doc__ or "").split("\n\n")[0].split())))
+            out.extend(rows(nested, path + ("[]." if is_list else ".")))
+            continue
+        if field.default is not PydanticUndefined:
+            default = repr(field.default).replace("|", "\\|")
+        elif field.default_factory is not None:
+            default = repr(field.default_factory())
+        else:
+            default = "required"
+        out.append((path, _type_name(field.annotation), default, field.description or ""))
+    return out
+
+
+def markdown() -> str:
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{p}` | {t} | {d} | {m} |" for p, t, d, m in rows(ProxyConfig)]
+    return "\n".join(lines)
+
+
+def write(path: Path) -> bool:
+    """Replace the marked section; returns whether the file changed."""
+    text = path.read_text()
+    start, end = text.index(START) + len(START), text.index(END)
+    updated = text[:start] + "\n" + markdown() + "\n" + text[end:]
+    if updated != text:
+        path.write_text(updated)
+    return updated != text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", metavar="FILE")
+    args = parser.parse_args()
+    if args.write:
+        print("updated" if write(Path(args.write)) else "up to date")
+    else:
+        sys.stdout.write(markdown() + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

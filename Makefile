@@ -26,5 +26,13 @@ test: $(STAMP) redis
 bench: $(STAMP)
 	$(BIN)/python -m loadtest.overhead
 
+# Benchmark report (loadtest/report.py): JSON, Markdown summary and PNG plots in
+# loadtest/results/report-<timestamp>/. `make report REPORT_ARGS=--quick` for the ~5 minute version.
+.PHONY: report
+REPORT_ARGS ?=
+report: $(STAMP) redis
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/python -m loadtest.report $(REPORT_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache

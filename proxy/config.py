@@ -178,9 +178,6 @@ class LoraConfig(Strict):
     replicate_min_in_flight: int = Field(
         4, ge=1, description="a hot adapter spreads only when each of its replicas carries at least this many requests"
     )
-    move_after_s: float = Field(
-        2.0, ge=0, description="a single-replica tenant whose replica is over the bound moves at most this often"
-    )
     cool_down_s: float = Field(30.0, gt=0, description="an adapter this long under its bound loses a replica")
     rebalance_interval_s: float = Field(1.0, gt=0, description="period of the min_replicas / shrink check")
 

@@ -153,7 +153,7 @@ class DeferredHistogram:
 class Series:
     """The children one (deployment, backend, endpoint) records into, looked up once and cached."""
 
-    __slots__ = ("metrics", "labels", "statuses", "duration", "ttft", "itl", "overhead", "stream_sink")
+    __slots__ = ("metrics", "labels", "statuses", "duration", "ttft", "itl", "overhead")
 
     def __init__(self, metrics: "Metrics", deployment: str, backend: str, endpoint: str) -> None:
         self.metrics = metrics
@@ -163,8 +163,11 @@ class Series:
         self.ttft = metrics.child(metrics.ttft, deployment, backend)
         self.itl = metrics.child(metrics.itl, deployment, backend)
         self.overhead = metrics.child(metrics.overhead, endpoint)
-        # where a stream relay counts its inter-token gaps (None: do not time streams)
-        self.stream_sink = self.itl if metrics.enabled else metrics.discard
+
+    @property
+    def stream_sink(self):
+        """Where a stream relay counts its inter-token gaps (None: do not time streams)."""
+        return self.itl if self.metrics.enabled else self.metrics.discard
 
     def status(self, code: str):
         found = self.statuses.get(code)
@@ -267,9 +270,9 @@ class Metrics:
         self._series: dict[tuple[str, str, str], Series] = {}
         self._exposition_registry: CollectorRegistry | None = None
         self._flusher: asyncio.Task | None = None
-        # the stream sink when metrics are off but the access log wants TTFT (never flushed);
-        # the runtime sets it to None when neither wants streams timed
-        self.discard: DeferredHistogram | None = DeferredHistogram(NOOP, self.itl._upper_bounds)
+        # the stream sink when metrics are off but the access log wants TTFT (never flushed)
+        self._discard_sink = DeferredHistogram(NOOP, self.itl._upper_bounds)
+        self.discard: DeferredHistogram | None = self._discard_sink
 
     def child(self, family, *labels: str):
         """Cached labelled child: `labels()` costs a lock and a dict build on every call."""
@@ -291,6 +294,10 @@ class Metrics:
                 self._deferred.append(found)
             self._children[key] = found
         return found
+
+    def time_streams_for_access_log(self, wanted: bool) -> None:
+        """With metrics off, streams are timed only for an access log (set on every (re)load)."""
+        self.discard = self._discard_sink if wanted else None
 
     def flush(self) -> None:
         """Push what the request path recorded into the prometheus_client children."""

@@ -33,8 +33,7 @@ class Runtime:
         self.metrics = previous.metrics if previous else Metrics(enabled=config.metrics.enabled)
         # observability (proxy/metrics.py, proxy/accesslog.py, proxy/scrape.py)
         self.access = AccessLog(config.logging) if config.logging.access_log else None
-        if self.access is None:
-            self.metrics.discard = None  # metrics off and no access log: streams are not timed
+        self.metrics.time_streams_for_access_log(self.access is not None)
         kept = {b.config.model_dump_json(): b for b in previous.backends} if previous else {}
         self.backends = [kept.get(b.model_dump_json()) or Backend(b) for b in config.backends]
         self.shared: SharedState | None = None
@@ -44,6 +43,7 @@ class Runtime:
                 ttl_s=config.routing.prefix_affinity.shared_ttl_s,
                 timeout_s=config.redis.timeout_s,
                 sync_interval_s=config.redis.sync_interval_s,
+                max_connections=config.redis.max_connections,
                 local_load=lambda: {b.name: b.in_flight for b in self.backends},
                 on_status=lambda up: self.metrics.redis_up.set(1 if up else 0),
             )

@@ -402,11 +402,13 @@ def test_usage_tokens() -> None:
 
 # --- metrics off --------------------------------------------------------------------------------
 
-def test_metrics_disabled(servers: Servers) -> None:
+def test_metrics_disabled(servers: Servers, access_lines: list[str]) -> None:
     proxy = servers.proxy_for(servers.sim(), metrics={"enabled": False})
     resp = httpx.post(proxy.url + CHAT, json=chat())
     assert resp.status_code == 200 and "x-vllm-proxy-overhead-ms" in resp.headers
-    assert stream_events(proxy.url, chat(stream=True))[-1] == "data: [DONE]"
+    assert stream_events(proxy.url, chat(stream=True), headers={"x-request-id": "off-1"})[-1] == "data: [DONE]"
+    assert eventually(lambda: len(access_lines) == 2)
+    assert orjson.loads(access_lines[1])["ttft_ms"] > 0  # the access log still times streams
     fams = families(proxy)
     assert not fams["vllm_proxy_requests"].samples
     assert not fams["vllm_proxy_time_to_first_token_seconds"].samples

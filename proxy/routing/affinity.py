@@ -7,9 +7,14 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
 2. Every tenant has a small ordered **replica set** (its home first). A new conversation goes
    to the least-loaded member under the bound, so a hot tenant's traffic is shared by replicas
    that all hold its prompt instead of spilling to arbitrary ones.
-3. When every member is over the bound the set **grows** by the replica with the least load and
-   the fewest tenants; when the tenant cools (its share of traffic would fit in one replica
-   less, for `cool_down_s`) the last member is dropped.
+3. When every member is over the bound, the set **grows** (by the replica with the least load
+   and the fewest tenants) only if the tenant's own traffic needs it (share x N >= grow_fill x
+   set size) and the fleet is past warm-up (`grow_min_requests`); with Redis the growth is a
+   compare-and-set on the shared table, so proxies growing one tenant at once agree. A smaller
+   tenant instead **moves** (single-replica tenants, at most every `move_after_s`) to a replica
+   where its traffic fits, else stays up to the looser (continuation) bound, else spills that
+   one request. When the tenant cools (its traffic would fit in one replica less, for
+   `cool_down_s`) the last member is dropped.
 4. A tenant never seen is **placed** on the replica with the least load and cache pressure
    (tenants placed there), ties broken by rendezvous hashing. With Redis the placement is
    written with set-if-absent (the first proxy wins, the others adopt its choice) into a hash

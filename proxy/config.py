@@ -130,7 +130,9 @@ class AffinityConfig(Strict):
     max_blocks: int = Field(64, ge=1, description="blocks hashed per request; longer prompts share keys beyond it")
     epsilon: float = Field(0.1, gt=0, le=10, description="load bound: no replica above ceil((1+eps) x mean)")
     index_blocks_per_backend: int = Field(
-        50_000, ge=1, description="local index entries per replica (about its prefix-cache size in blocks)"
+        4096, ge=1,
+        description="local index entries per replica: its prefix-cache size in blocks (4096 x 256 chars is about "
+        "260 k tokens, a large vLLM KV cache); a bigger index only remembers what the replica evicted",
     )
     shared_ttl_s: float = Field(600.0, gt=0, description="lifetime of a prefix entry / tenant placement in Redis")
     load_window_s: float = Field(

@@ -33,7 +33,6 @@ import os
 import platform
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -503,7 +502,8 @@ def section_affinity(r: dict) -> list[str]:
     for c in r["cells"]:
         b = base.get((c["shape"], c["routers"]))
         if b is not None and c is not b and b["share_of_bound"] and b["ttft_p50_ms"]:
-            lines.append(f"- {c['shape']} {c['policy']} x{c['routers']}: share {c['share_of_bound'] / b['share_of_bound']:.2f}x "
+            share = c["share_of_bound"] / b["share_of_bound"]
+            lines.append(f"- {c['shape']} {c['policy']} x{c['routers']}: share {share:.2f}x "
                          f"round robin's, TTFT p50 {c['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x")
     if lines:
         out += ["Against round robin with the same number of proxies:", "", *lines, ""]
@@ -544,7 +544,8 @@ def section_faults(r: dict) -> list[str]:
     for c in r["cases"]:
         retries = sum(c["retries"].values())
         statuses = ", ".join(f"{k}: {v}" for k, v in c["failure_statuses"].items())
-        rows.append([c["case"], c["description"], str(c["requests"]), f"{c['failures']}" + (f" ({statuses})" if statuses else ""),
+        failed = f"{c['failures']}" + (f" ({statuses})" if statuses else "")
+        rows.append([c["case"], c["description"], str(c["requests"]), failed,
                      fmt_ms(c["p50_ms"]), fmt_ms(c["p99_ms"]), fmt_ms(c["max_ms"]), f"{retries:.0f}",
                      " / ".join("-" if v is None else str(v) for v in c["completed_per_replica"])])
     out += [md_table(["case", "what", "requests", "failures", "p50 ms", "p99 ms", "max ms", "retries",

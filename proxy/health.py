@@ -10,6 +10,7 @@ import orjson
 
 from proxy.config import DiscoveryConfig
 from proxy.routing.backends import Backend
+from proxy.tasks import Background
 
 log = logging.getLogger("vllm_proxy.health")
 
@@ -49,7 +50,7 @@ class Discovery:
         self.config = config
         self.on_change = on_change
         self.on_health = on_health
-        self._task: asyncio.Task | None = None
+        self._loop = Background()
 
     async def poll_all(self) -> None:
         changed = any(await asyncio.gather(*(self.poll(b) for b in self.backends)))
@@ -88,12 +89,10 @@ class Discovery:
         return changed
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop.start(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._loop.stop()
 
     async def _run(self) -> None:
         while True:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from proxy.config import ConfigError, ProxyConfig, load_config
+from proxy.tasks import Background
 
 log = logging.getLogger("vllm_proxy.reload")
 
@@ -30,7 +31,7 @@ class ConfigWatcher:
         self.counted = counted
         self.interval = interval_s
         self._seen = self._stamp()
-        self._task: asyncio.Task | None = None
+        self._loop = Background()
         self._lock = asyncio.Lock()
         self._sighup = False
 
@@ -67,14 +68,12 @@ class ConfigWatcher:
             self._sighup = True
         except (ValueError, RuntimeError, NotImplementedError):  # not the main thread (tests), or no SIGHUP
             pass
-        self._task = loop.create_task(self._watch())
+        self._loop.start(self._watch())
 
     async def stop(self) -> None:
         if self._sighup:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._loop.stop()
 
     async def _watch(self) -> None:
         while True:

@@ -28,6 +28,7 @@ import aiohttp
 from proxy.config import DiscoveryConfig
 from proxy.metrics import Metrics
 from proxy.routing.backends import Backend
+from proxy.tasks import Background
 
 log = logging.getLogger("vllm_proxy.scrape")
 
@@ -125,7 +126,7 @@ class BackendScraper:
         self.config = config
         self.metrics = metrics
         self._previous: dict[str, _Previous] = {}
-        self._task: asyncio.Task | None = None
+        self._loop = Background()
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(b) for b in self.backends))
@@ -162,12 +163,10 @@ class BackendScraper:
                 pass
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop.start(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._loop.stop()
 
     async def _run(self) -> None:
         while True:

@@ -21,6 +21,8 @@ from typing import Callable, Sequence
 
 import redis.asyncio as redis
 
+from proxy.tasks import Background
+
 log = logging.getLogger("vllm_proxy.shared")
 
 INDEX_PREFIX = "vp:px:"
@@ -104,7 +106,7 @@ class SharedState:
         self._pins_version: str | None = None
         self._pending_pins: dict[int, str] = {}
         self._pending: dict[int, str] = {}
-        self._task: asyncio.Task | None = None
+        self._loop = Background()
 
     # -- request path -------------------------------------------------------------------------
     async def longest(self, chain: Sequence[int]) -> tuple[int, str | None] | None:
@@ -137,40 +139,32 @@ class SharedState:
         if self._busy >= self.max_connections - 1:
             self.pool_full += 1
             return None
-        value = format_pin(members, time.time())
-        self._busy += 1
-        try:
-            stored = await asyncio.wait_for(
-                self.client.eval(_PLACE, 2, PINS_KEY, PINS_VERSION, f"{pin:016x}", value), self.timeout
-            )
-        except Exception as exc:
-            self._down(exc)
-            return None
-        finally:
-            self._busy -= 1
-        parsed = parse_pin(stored or value)
-        self.pins[pin] = parsed
-        return parsed[0]
+        return await self._pin_script(_PLACE, pin, format_pin(members, time.time()))
 
     async def grow(self, pin: int, old: Sequence[str], members: Sequence[str]) -> tuple[str, ...] | None:
         """Change a tenant's set from `old` to `members` unless another proxy changed it first;
         returns the set now in force, or None when Redis cannot answer now."""
         if not self.up or self._busy >= self.max_connections - 1:
             return None
-        value = format_pin(members, time.time())
+        found = await self._pin_script(_GROW, pin, ",".join(old), format_pin(members, time.time()))
+        if found is not None:
+            self._pending_pins.pop(pin, None)
+        return found
+
+    async def _pin_script(self, script: str, pin: int, *args: str) -> tuple[str, ...] | None:
+        """Run a compare-and-set script on the tenant table; the stored entry wins."""
         self._busy += 1
         try:
             stored = await asyncio.wait_for(
-                self.client.eval(_GROW, 2, PINS_KEY, PINS_VERSION, f"{pin:016x}", ",".join(old), value), self.timeout
+                self.client.eval(script, 2, PINS_KEY, PINS_VERSION, f"{pin:016x}", *args), self.timeout
             )
         except Exception as exc:
             self._down(exc)
             return None
         finally:
             self._busy -= 1
-        parsed = parse_pin(stored or value)
+        parsed = parse_pin(stored or args[-1])
         self.pins[pin] = parsed
-        self._pending_pins.pop(pin, None)
         return parsed[0]
 
     def set_pin(self, pin: int, members: Sequence[str]) -> None:
@@ -188,12 +182,10 @@ class SharedState:
 
     # -- background ---------------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop.start(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._loop.stop()
         try:
             await self.client.hdel(LOAD_KEY, *[f"{self.proxy_id}|{b}" for b in self.local_load()])
         except Exception:

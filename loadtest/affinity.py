@@ -30,7 +30,7 @@ from pathlib import Path
 
 from loadtest.affinity_bound import pooled_hit_rate
 from loadtest.affinity_client import run_load
-from loadtest.affinity_fleet import (OUR_POLICIES, PEERS, Fleet, SimSettings, check_policy, flush_redis,
+from loadtest.affinity_fleet import (PEERS, Fleet, SimSettings, check_policy, flush_redis,
                                      peer_available)
 from loadtest.affinity_workload import SHAPES, Workload, WorkloadSpec, generate, prompt_tokens, system_blocks
 

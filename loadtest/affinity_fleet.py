@@ -6,19 +6,18 @@ and are shown when something fails to start. Everything listens on 127.0.0.1 onl
 """
 from __future__ import annotations
 
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+
+from loadtest.procs import Proc, spawn, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -52,27 +51,6 @@ class SimSettings:
 
 
 @dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log: Path
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGTERM)
-                self.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-            except ProcessLookupError:
-                pass
-
-    def tail(self, n: int = 20) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-
-@dataclass
 class Fleet:
     """Replicas plus routers of one cell; use as a context manager so everything is stopped."""
 
@@ -90,27 +68,11 @@ class Fleet:
         self.procs.clear()
 
     def spawn(self, name: str, cmd: list[str]) -> Proc:
-        log = self.tmp / f"{name}.log"
-        popen = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-        proc = Proc(name, popen, log)
+        proc = spawn(name, cmd, self.tmp)
         self.procs.append(proc)
         return proc
 
-    @staticmethod
-    def wait_ready(proc: Proc, url: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.popen.poll() is not None:
-                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{url} not ready after {timeout:.0f} s:\n{proc.tail()}")
+    wait_ready = staticmethod(wait_ready)
 
     # --- replicas ----------------------------------------------------------------------------
     def start_replicas(self, count: int, s: SimSettings) -> None:

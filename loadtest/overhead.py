@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -26,6 +25,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from loadtest.procs import Proc, spawn, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 LUA = Path(__file__).with_name("wrk_chat.lua")
@@ -41,26 +42,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
-
-
-@dataclass
-class Proc:
-    """A child process in its own session, so stopping it also stops its workers."""
-    name: str
-    popen: subprocess.Popen
-    log: Path
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-
-    def tail(self, n: int = 15) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
 @dataclass
@@ -81,27 +62,12 @@ class Bench:
 
     # --- processes -------------------------------------------------------------------------
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> Proc:
-        log = self.tmp / f"{name}.log"
-        popen = subprocess.Popen(self.server_cpu + cmd, cwd=ROOT, stdout=log.open("wb"),
-                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                 env={**os.environ, **(env or {})})
-        proc = Proc(name, popen, log)
+        proc = spawn(name, self.server_cpu + cmd, self.tmp, env)
         self.procs.append(proc)
         return proc
 
     def wait_ready(self, proc: Proc, url: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.popen.poll() is not None:
-                raise RuntimeError(f"exited with {proc.popen.returncode}:\n{proc.tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{url} not 200 after {timeout:.0f} s:\n{proc.tail()}")
+        wait_ready(proc, url, timeout)
 
     def start_backend(self) -> str:
         port = free_port()

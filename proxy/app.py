@@ -1,7 +1,6 @@
 """The ASGI application: a dispatch table over raw ASGI handlers, and the lifespan."""
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import os

@@ -6,7 +6,6 @@ quarter of aiohttp's CPU per request. Streams are relayed chunk by chunk, never 
 """
 from __future__ import annotations
 
-import asyncio
 from bisect import bisect_left
 from time import perf_counter
 

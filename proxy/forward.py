@@ -12,7 +12,7 @@ from time import perf_counter
 import aiohttp
 
 from proxy.asgi import Headers, Send
-from proxy.config import ServerConfig
+from proxy.config import ServerConfig, Timeouts
 from proxy.errors import ProxyError, normalise_upstream_error
 from proxy.http1 import Pool, Response, UpstreamError
 from proxy.routing.backends import Backend
@@ -74,7 +74,7 @@ class Upstream:
         self.server = server
         t = server.timeouts
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.first_byte)
-        self.pool = Pool(t.connect, t.first_byte, t.idle, server.upstream_keep_alive_s)
+        self.pool = Pool(server.upstream_keep_alive_s)
         self.keepalive = server.sse_keepalive_s
         self.session: aiohttp.ClientSession | None = None
 
@@ -106,6 +106,7 @@ class Upstream:
         progress: Progress,
         rename: tuple[bytes, bytes] | None = None,
         retryable: bool = False,
+        timeouts: Timeouts | None = None,
     ) -> int:
         """POST `body` to `backend` and relay the answer to the client. Returns the status sent.
 
@@ -118,7 +119,10 @@ class Upstream:
         """
         progress.proxy_s = perf_counter() - progress.arrival
         try:
-            resp = await self.pool.request(backend.origin, backend.request_head(endpoint, len(body), request_id), body)
+            resp = await self.pool.request(
+                backend.origin, backend.request_head(endpoint, len(body), request_id), body,
+                timeouts or self.server.timeouts,
+            )
         except UpstreamError as exc:
             raise _failure(exc) from None
         headers_at = perf_counter()

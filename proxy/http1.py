@@ -200,10 +200,7 @@ class _Connection(asyncio.Protocol):
 class Pool:
     """Keep-alive connections per upstream origin, most recently used first."""
 
-    def __init__(self, connect_timeout: float, first_byte_timeout: float, idle_timeout: float, keep_alive_s: float):
-        self.connect_timeout = connect_timeout
-        self.first_byte_timeout = first_byte_timeout
-        self.idle_timeout = idle_timeout
+    def __init__(self, keep_alive_s: float):
         self.keep_alive_s = keep_alive_s
         self._idle: dict[tuple, list[_Connection]] = {}
         self._ssl: Optional[ssl.SSLContext] = None
@@ -213,7 +210,7 @@ class Pool:
         conn.idle_since = time.monotonic()
         self._idle.setdefault(conn.key, []).append(conn)
 
-    async def _connect(self, key: tuple) -> _Connection:
+    async def _connect(self, key: tuple, timeout: float) -> _Connection:
         scheme, host, port = key
         context = None
         if scheme == "https":
@@ -221,7 +218,7 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, key), host, port, ssl=context), self.connect_timeout
+                loop.create_connection(lambda: _Connection(self, key), host, port, ssl=context), timeout
             )
         except asyncio.TimeoutError:
             raise UpstreamError("connect", f"connecting to {host}:{port} timed out") from None
@@ -239,25 +236,26 @@ class Pool:
             conn.abort()
         return None
 
-    async def request(self, key: tuple, head: bytes, body: bytes) -> Response:
+    async def request(self, key: tuple, head: bytes, body: bytes, timeouts) -> Response:
         """Send `head` (request line and headers, ending in a blank line) and `body`; return once
-        the response headers arrived. A pooled connection that turns out closed before any byte
-        of the answer is retried once on a fresh one (the upstream never saw that request)."""
+        the response headers arrived. `timeouts` has `connect`, `first_byte` and `idle` seconds.
+        A pooled connection that turns out closed before any byte of the answer is retried once
+        on a fresh one (the upstream never saw that request)."""
         conn = self._reuse(key)
         reused = conn is not None
         if conn is None:
-            conn = await self._connect(key)
-        response = conn.start(head + body, self.idle_timeout)
+            conn = await self._connect(key, timeouts.connect)
+        response = conn.start(head + body, timeouts.idle)
         try:
-            await self._headers(response)
+            await self._headers(response, timeouts.first_byte)
         except UpstreamError as exc:
             if not (reused and exc.kind == "reset" and not response.got_bytes):
                 conn.abort()
                 raise
-            conn = await self._connect(key)
-            response = conn.start(head + body, self.idle_timeout)
+            conn = await self._connect(key, timeouts.connect)
+            response = conn.start(head + body, timeouts.idle)
             try:
-                await self._headers(response)
+                await self._headers(response, timeouts.first_byte)
             except BaseException:
                 conn.abort()
                 raise
@@ -266,11 +264,11 @@ class Pool:
             raise
         return response
 
-    async def _headers(self, response: Response) -> None:
+    async def _headers(self, response: Response, timeout: float) -> None:
         while not response.status:
             if response._error is not None:
                 raise response._error
-            await response._wait(self.first_byte_timeout, "the upstream did not answer in time")
+            await response._wait(timeout, "the upstream did not answer in time")
 
     def close(self) -> None:
         for conns in self._idle.values():

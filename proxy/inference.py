@@ -194,7 +194,7 @@ async def _attempt(
     try:
         code = await rt.upstream.exchange(
             backend, endpoint, body, rid, send, _response_headers(rt, id_header, backend, reason), progress,
-            route.rename, retryable=True,
+            route.rename, retryable=True, timeouts=route.timeouts,
         )
         status = str(code)
         if code >= 500:

@@ -74,7 +74,7 @@ class Runtime:
 
     def rebuild_catalog(self) -> None:
         """Swapped whole, so a request sees one consistent catalog."""
-        self.catalog = build_catalog(self.config.deployments, self.backends)
+        self.catalog = build_catalog(self.config, self.backends)
 
     def _groups_of(self, backend: Backend) -> list[tuple[Backend, ...]]:
         """The replica sets of every deployment `backend` serves."""

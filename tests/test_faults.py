@@ -155,3 +155,22 @@ def test_storm_of_client_disconnects(servers: Servers) -> None:
     idle = sum(len(v) for v in app.runtime.upstream.pool._idle.values())
     assert idle <= 10  # aborted exchanges dropped their connections instead of pooling them
     assert ask(proxy.url, 1)[0] == 200
+
+
+def test_timeouts_per_deployment(servers: Servers) -> None:
+    sim = servers.sim()
+    proxy = servers.proxy({
+        "backends": [{"name": "gpu-0", "url": sim.url, "models": [MODEL]}],
+        "deployments": [{"name": "patient", "model": MODEL},
+                        {"name": "hasty", "model": MODEL, "timeouts": {"first_byte": 0.3}}],
+        "server": {"timeouts": {"first_byte": 2.0}},
+    })
+    fault(sim, hang=True)
+    timings = {}
+    for name in ("hasty", "patient"):
+        started = time.monotonic()
+        resp = httpx.post(proxy.url + CHAT, json={"model": name, "messages": [{"role": "user", "content": "x"}]}, timeout=10)
+        timings[name] = time.monotonic() - started
+        assert resp.status_code == 504 and resp.json()["error"]["code"] == "upstream_timeout"
+    assert 0.3 <= timings["hasty"] < 1.0 <= 2.0 <= timings["patient"] < 3.0
+    fault(sim, hang=False)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.config import DeploymentConfig
+from proxy.config import DeploymentConfig, ProxyConfig, Timeouts
 from proxy.routing.backends import Backend
 
 
@@ -14,6 +14,7 @@ class Route:
     adapter: str | None  # upstream LoRA adapter id, if any
     backends: tuple[Backend, ...]  # replicas that have model (and adapter)
     parent: str | None = None  # for adapters: the public name of their base (for /v1/models)
+    timeouts: Timeouts = Timeouts()  # upstream timeouts for this deployment
 
     @property
     def upstream_id(self) -> str:
@@ -32,8 +33,9 @@ class Route:
         return b'"model":"%s"' % self.upstream_id.encode(), b'"model":"%s"' % self.name.encode()
 
 
-def build_catalog(deployments: list[DeploymentConfig] | None, backends: list[Backend]) -> dict[str, Route]:
+def build_catalog(config: ProxyConfig, backends: list[Backend]) -> dict[str, Route]:
     """Declared deployments, or else every model and adapter the backends report under its own id."""
+    deployments = config.deployments
     if deployments is None:
         deployments = _discovered_deployments(backends)
     public_base = {d.model: d.name for d in deployments if d.adapter is None}
@@ -44,6 +46,7 @@ def build_catalog(deployments: list[DeploymentConfig] | None, backends: list[Bac
             adapter=d.adapter,
             backends=tuple(b for b in backends if b.serves(d.model, d.adapter)),
             parent=(public_base.get(d.model, d.model) if d.adapter else None),
+            timeouts=config.timeouts_for(d.name),
         )
         for d in deployments
     }

@@ -1,7 +1,7 @@
 """Benchmark report: runs the scenarios one after another and writes JSON, Markdown and PNG plots.
 
-    python -m loadtest.report                 # full report, ~20 min on 2 cores
-    python -m loadtest.report --quick         # smaller cells, ~5 min
+    python -m loadtest.report                 # full report, ~13 min on 2 cores
+    python -m loadtest.report --quick         # smaller cells, ~4 min
     python -m loadtest.report --only faults,routing_decision --out /tmp/r
 
 Scenarios (each through its module's functions, in this process unless noted):
@@ -52,7 +52,7 @@ SCENARIO_NAMES = ["overhead", "affinity", "lora", "faults", "routing_decision"]
 SWEEP = [("plain_c1", False, 1), ("plain_c8", False, 8), ("plain_c32", False, 32)]
 OVERHEAD_SCENARIOS = SWEEP + [s for s in overhead.SCENARIOS if s[0] not in {n for n, _, _ in SWEEP}]
 
-# knobs per mode: quick keeps the whole report under ~6 minutes, full under ~25
+# knobs per mode: quick keeps the whole report under ~6 minutes (~4 measured), full under ~25 (~13)
 PRESETS = {
     "quick": {"overhead": {"duration": 3, "rounds": 1, "warmup": 1},
               "affinity": ["--quick"],
@@ -69,7 +69,7 @@ PRESETS = {
 
 # --- progress bar ---------------------------------------------------------------------------------
 class Progress:
-    """`[#####.....] 2/5 affinity  strong prefix_affinity x3 (5/12)  1m23s` on stderr.
+    """`[#####.....] 2/5 affinity  1m23s  strong prefix_affinity x3 (5/12)` on stderr.
 
     On a terminal one line is redrawn in place (and ticks every second); otherwise each update is
     its own line, so logs stay readable."""
@@ -95,7 +95,7 @@ class Progress:
         elapsed = int(time.monotonic() - self.started)
         name = self.names[self.index] if self.index < n else "done"
         return (f"[{'#' * filled}{'.' * (self.width - filled)}] {min(self.index + 1, n)}/{n} {name}"
-                f"  {self.detail}  {elapsed // 60}m{elapsed % 60:02d}s")
+                f"  {elapsed // 60}m{elapsed % 60:02d}s  {self.detail}").rstrip()
 
     def _draw(self) -> None:
         with self._lock:
@@ -103,7 +103,7 @@ class Progress:
             if self.tty:
                 cols = 120
                 try:
-                    cols = os.get_terminal_size(sys.stderr.fileno()).columns
+                    cols = os.get_terminal_size(sys.stderr.fileno()).columns or cols
                 except OSError:
                     pass
                 sys.stderr.write("\r\x1b[2K" + line[:cols - 1])
@@ -139,6 +139,21 @@ def pct(values: list[float], q: float) -> float:
     return affinity.percentile(values, q)
 
 
+def brief(exc: BaseException) -> str:
+    """One line for a failure: the exception's first line and, if it has more (a child's log
+    tail), its last line too."""
+    return one_line(str(exc)) if str(exc).strip() else type(exc).__name__
+
+
+def one_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()] or ["?"]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+def failure(exc: BaseException, **where) -> dict:
+    return {**where, "error": brief(exc), "detail": str(exc)[-3000:]}
+
+
 # --- overhead ---------------------------------------------------------------------------------
 def run_overhead(knobs: dict, ctx: dict, prog: Progress) -> dict:
     overhead.ensure_wrk()
@@ -155,7 +170,7 @@ def run_overhead(knobs: dict, ctx: dict, prog: Progress) -> dict:
                 bench.verify(c)
                 contenders.append(c)
             except Exception as exc:  # noqa: BLE001 - a missing peer is skipped with its reason
-                skipped[name] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                skipped[name] = brief(exc)
         cells = [(r, s, c) for r in range(ns.rounds) for s in OVERHEAD_SCENARIOS for c in contenders]
         warm = [(None, s, c) for s in OVERHEAD_SCENARIOS for c in contenders] if ns.warmup else []
         for k, (rnd, (scen, stream, conns), c) in enumerate(warm + cells):
@@ -236,8 +251,8 @@ def run_affinity(argv: list[str], ctx: dict, prog: Progress) -> dict:
         try:
             cells.append(run_affinity_cell(shape, workload, sizing, policy, routers, args, tmp))
         except Exception as exc:  # noqa: BLE001 - report the cell and go on, as affinity.main does
-            failures.append({"shape": shape, "policy": policy, "routers": routers, "error": str(exc)[-1000:]})
-            prog.note(f"[fail] affinity {shape} {policy} x{routers}: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+            failures.append(failure(exc, shape=shape, policy=policy, routers=routers))
+            prog.note(f"[fail] affinity {shape} {policy} x{routers}: {brief(exc)}")
     return {"config": {k: v for k, v in vars(args).items() if k != "json"}, "sizing": sizings, "cells": cells,
             "failures": failures, "logs": str(tmp)}
 
@@ -252,8 +267,8 @@ def run_lora(knobs: dict, ctx: dict, prog: Progress) -> dict:
         try:
             results.append(lora.run_mode(args, mode))
         except Exception as exc:  # noqa: BLE001
-            failures.append({"mode": mode, "error": str(exc)[-1000:]})
-            prog.note(f"[fail] lora {mode}: {exc}")
+            failures.append(failure(exc, mode=mode))
+            prog.note(f"[fail] lora {mode}: {brief(exc)}")
     return {"config": {k: v for k, v in vars(args).items() if k != "json"}, "results": results, "failures": failures}
 
 
@@ -394,8 +409,8 @@ def run_faults(knobs: dict, ctx: dict, prog: Progress) -> dict:
         try:
             cases.append(run_fault_case(case, knobs, tmp))
         except Exception as exc:  # noqa: BLE001
-            failures.append({"case": case, "error": str(exc)[-1000:]})
-            prog.note(f"[fail] faults {case}: {exc}")
+            failures.append(failure(exc, case=case))
+            prog.note(f"[fail] faults {case}: {brief(exc)}")
     return {"config": {**knobs, "replicas": 4, "policy": "least_loaded", "first_byte_timeout_s": 0.5,
                        "discovery_interval_s": 30, "max_tokens": 2, "stream": "every other request",
                        "sim_itl_ms": 10.0},
@@ -508,7 +523,9 @@ def section_affinity(r: dict) -> list[str]:
     if lines:
         out += ["Against round robin with the same number of proxies:", "", *lines, ""]
     for f in r.get("failures", []):
-        out.append(f"- failed cell {f['shape']} {f['policy']} x{f['routers']}: {f['error'].splitlines()[0]}")
+        out.append(f"- failed cell {f['shape']} {f['policy']} x{f['routers']}: `{one_line(f['error'])}`")
+    if r.get("failures"):
+        out.append("")
     out += ["![hit rate vs bound](affinity_hit_rate.png)", "", "![TTFT CDF](affinity_ttft_cdf.png)", "",
             "![load per replica](affinity_load_per_replica.png)", ""]
     return out
@@ -530,7 +547,7 @@ def section_lora(r: dict) -> list[str]:
     out += [md_table(["mode", "req/s", "TTFT p50 ms", "TTFT p99 ms", "loads/min", "unloads/min", "reloads/min",
                       "misrouted", "errors", "requests per replica"], rows, right=set(range(1, 9))), ""]
     for f in r.get("failures", []):
-        out.append(f"- failed mode {f['mode']}: {f['error'].splitlines()[0]}")
+        out.append(f"- failed mode {f['mode']}: `{one_line(f['error'])}`")
     return out
 
 
@@ -551,7 +568,7 @@ def section_faults(r: dict) -> list[str]:
     out += [md_table(["case", "what", "requests", "failures", "p50 ms", "p99 ms", "max ms", "retries",
                       "completed per replica"], rows, right={2, 4, 5, 6, 7}), ""]
     for f in r.get("failures", []):
-        out.append(f"- failed case {f['case']}: {f['error'].splitlines()[0]}")
+        out.append(f"- failed case {f['case']}: `{one_line(f['error'])}`")
     return out
 
 
@@ -591,6 +608,8 @@ def summary_md(results: dict, plots: dict) -> str:
             out += [f"**Scenario failed:** `{value['error'].strip().splitlines()[-1]}` (traceback in results.json)", ""]
             continue
         out += section(value)
+        if out[-1] != "":
+            out.append("")
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -623,7 +642,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.report", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="output folder (default loadtest/results/report-<timestamp>/)")
-    p.add_argument("--quick", action="store_true", help="smaller cells: the whole report in ~5 minutes")
+    p.add_argument("--quick", action="store_true", help="smaller cells: the whole report in ~4 minutes")
     p.add_argument("--only", default=",".join(SCENARIO_NAMES), help=f"comma list from {','.join(SCENARIO_NAMES)}")
     p.add_argument("--affinity-policies", help="override the affinity policies (e.g. add sglang:cache_aware)")
     p.add_argument("--peers-venv", default="/tmp/peers-venv", help="venv with vllm-router / sglang-router, if any")

@@ -90,9 +90,10 @@ def hit_rate(results: dict, out: Path) -> str:
         for j, r in enumerate(routers):
             for i, policy in enumerate(policies):
                 c = by.get((shape, policy, r))
-                if c is None:
-                    continue
                 x = i - 0.4 + width * (j + 0.5)
+                if c is None:
+                    ax.text(x, 0.02, "no data (cell failed)", rotation=90, ha="center", va="bottom", fontsize=9.5)
+                    continue
                 ax.bar(x, c["hit_rate"], width * 0.92, color=ROUTER_COLORS.get(r, EXTRA[j % len(EXTRA)]),
                        edgecolor="black", linewidth=0.6, zorder=2)
                 ax.hlines(c["bound"], x - width * 0.46, x + width * 0.46, colors="black", linewidth=2.5, zorder=3)
@@ -100,6 +101,7 @@ def hit_rate(results: dict, out: Path) -> str:
                         va="center", fontsize=9.5, color="white", fontweight="bold", zorder=4)
         ax.set_xticks(range(len(policies)))
         ax.set_xticklabels([p.replace("_", " ") for p in policies])
+        ax.set_xlim(-0.55, len(policies) - 0.45)
         ax.set_xlabel("routing policy")
         ax.set_title(_shape_title(results, shape))
         ax.set_ylim(0, 1.05)
@@ -176,6 +178,7 @@ def load_per_replica(results: dict, out: Path) -> str:
             for i, policy in enumerate(policies):
                 c = by.get((shape, policy, r))
                 if not c:
+                    ax.text(i, 0, "no data\n(cell failed)", ha="center", va="bottom", fontsize=9.5)
                     continue
                 counts = c["requests_per_replica"]
                 for k, n in enumerate(counts):
@@ -187,6 +190,7 @@ def load_per_replica(results: dict, out: Path) -> str:
                         fontsize=9.5)
             ax.set_xticks(range(len(policies)))
             ax.set_xticklabels([p.replace("_", " ") for p in policies])
+            ax.set_xlim(-0.55, len(policies) - 0.45)
             ax.set_title(f"{_shape_title(results, shape)}, {r} prox{'y' if r == 1 else 'ies'}")
             ax.grid(axis="x", visible=False)
             ax.margins(y=0.15)

@@ -89,15 +89,8 @@ class Discovery:
         return changed
 
     def start(self) -> None:
-        self._loop.start(self._run())
+        """Poll every interval; the first round ran already in `Runtime.start`."""
+        self._loop.every(self.config.interval_s, self.poll_all, "discovery round", log, wait_first=True)
 
     async def stop(self) -> None:
         await self._loop.stop()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.interval_s)
-            try:
-                await self.poll_all()
-            except Exception:  # never let the loop die
-                log.exception("discovery round failed")

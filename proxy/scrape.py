@@ -163,15 +163,7 @@ class BackendScraper:
                 pass
 
     def start(self) -> None:
-        self._loop.start(self._run())
+        self._loop.every(self.config.interval_s, self.scrape_all, "backend scrape round", log)
 
     async def stop(self) -> None:
         await self._loop.stop()
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.scrape_all()
-            except Exception:  # never let the loop die
-                log.exception("backend scrape round failed")
-            await asyncio.sleep(self.config.interval_s)

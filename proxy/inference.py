@@ -74,28 +74,37 @@ def no_backend(route: Route) -> ProxyError:
 
 class DisconnectWatch:
     """Cancels the request's task when the client goes away, so the upstream request is closed
-    (vLLM then aborts it) whether we are still waiting for the first byte or mid-stream."""
+    (vLLM then aborts it) whether we are still waiting for the first byte or mid-stream.
 
-    __slots__ = ("task", "gone", "done", "watcher")
+    The watcher is never cancelled: once the response is complete, uvicorn's `receive()` returns
+    `http.disconnect` by itself and the watcher ends quietly. (Cancelling it left a cancelled
+    exception, its traceback and frames in a reference cycle per request, and the cyclic garbage
+    collector's passes cost a third of the throughput and most of the tail latency.)"""
+
+    __slots__ = ("task", "gone", "done")
 
     def __init__(self, receive: Receive) -> None:
-        self.task = asyncio.current_task()
+        self.task: asyncio.Task | None = asyncio.current_task()
         self.gone = False
         self.done = False
-        self.watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        _background.add(asyncio.get_running_loop().create_task(self._watch(receive)))
 
     async def _watch(self, receive: Receive) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if not self.done:
-                    self.gone = True
-                    self.task.cancel()
-                return
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not self.done:
+                self.gone = True
+                self.task.cancel()  # type: ignore[union-attr]
+        finally:
+            self.task = None
+            _background.discard(asyncio.current_task())
 
     def stop(self) -> None:
         self.done = True
-        self.watcher.cancel()
+
+
+_background: set[asyncio.Task] = set()  # strong references to running watchers
 
 
 async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:

@@ -61,12 +61,7 @@ class Discovery:
         """One probe; returns True if the backend's served set changed."""
         epoch = backend.adapter_epoch
         try:
-            timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
-            headers = {k: v for k, v in backend.headers.items() if k == "Authorization"}
-            async with self._session().get(backend.url + "/v1/models", timeout=timeout, headers=headers) as resp:
-                if resp.status != 200:
-                    raise ValueError(f"HTTP {resp.status}")
-                models, adapters = read_models(await resp.read())
+            models, adapters = read_models(await backend.fetch(self._session(), "/v1/models", self.config.timeout_s))
         except Exception as exc:  # any failure of the probe means "not healthy now"
             backend.failures += 1
             if backend.healthy and backend.failures >= self.config.failures_to_down:

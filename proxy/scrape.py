@@ -133,12 +133,7 @@ class BackendScraper:
 
     async def scrape(self, backend: Backend) -> None:
         try:
-            timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
-            headers = {k: v for k, v in backend.headers.items() if k == "Authorization"}
-            async with self._session().get(backend.url + "/metrics", timeout=timeout, headers=headers) as resp:
-                if resp.status != 200:
-                    raise ValueError(f"HTTP {resp.status}")
-                reading = parse_vllm_metrics(await resp.read())
+            reading = parse_vllm_metrics(await backend.fetch(self._session(), "/metrics", self.config.timeout_s))
         except Exception as exc:  # a backend without /metrics, or down: its series go away
             log.debug("cannot scrape %s/metrics: %s", backend.url, exc or type(exc).__name__)
             self._forget(backend.name)

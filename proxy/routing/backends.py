@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 from hashlib import blake2b
+
+import aiohttp
 from urllib.parse import urlsplit
 
 from proxy.config import BackendConfig
@@ -51,6 +53,15 @@ class Backend:
         self.ejections = 0
         self.ejected_until = 0.0
         self.limit = config.max_in_flight or 1 << 30
+
+    async def fetch(self, session, path: str, timeout_s: float) -> bytes:
+        """GET a control-plane path (`/v1/models`, `/metrics`) with the replica's key; the body of
+        a 200, else an exception (any failure means "no answer now")."""
+        auth = {"Authorization": self.headers["Authorization"]} if "Authorization" in self.headers else None
+        async with session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout_s), headers=auth) as resp:
+            if resp.status != 200:
+                raise ValueError(f"HTTP {resp.status}")
+            return await resp.read()
 
     def request_head(self, endpoint: str, length: int, request_id: bytes) -> bytes:
         return self.heads[endpoint] + b"Content-Length: %d\r\nX-Request-Id: %s\r\n\r\n" % (length, request_id)

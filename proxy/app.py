@@ -6,7 +6,7 @@ import logging
 import os
 
 from proxy import endpoints, inference
-from proxy.asgi import Receive, Scope, Send, send_error, send_json
+from proxy.asgi import Receive, Scope, Send, bearer, send_error, send_json
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
 from proxy.parse import CHAT, COMPLETIONS, EMBEDDINGS
@@ -52,10 +52,7 @@ class ProxyApp:
     async def _admin_reload(self, scope: Scope, send: Send) -> None:
         key_env = self.runtime.config.auth.admin_key_env
         expected = os.environ.get(key_env, "") if key_env else ""
-        presented = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                presented = value.partition(b" ")[2].strip()
+        presented = bearer(scope) or b""
         if self.watcher is None or not expected:
             await send_error(send, ProxyError(404, "Reload is not enabled (set auth.admin_key_env).", code="unknown_url"))
         elif not hmac.compare_digest(presented, expected.encode()):

@@ -31,7 +31,18 @@ async def send_error(send: Send, error: ProxyError, headers: Headers = ()) -> No
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of a (lower-case) request header."""
     for key, value in scope["headers"]:
         if key == name:
             return value
     return None
+
+
+def bearer(scope: Scope) -> bytes | None:
+    """The token of `Authorization: Bearer <token>`, if one was sent."""
+    value = header(scope, b"authorization")
+    if value is None:
+        return None
+    scheme, _, token = value.partition(b" ")
+    token = token.strip()
+    return token if scheme.lower() == b"bearer" and token else None

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from proxy.asgi import Scope
+from proxy.asgi import Scope, bearer
 from proxy.config import AuthConfig
 from proxy.errors import ProxyError
 
@@ -42,13 +42,7 @@ class Authenticator:
 
     def client(self, scope: Scope) -> Client:
         """The caller, or a 401: every stored digest is compared, so timing says nothing."""
-        token = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, rest = value.partition(b" ")
-                if scheme.lower() == b"bearer" and rest.strip():
-                    token = rest.strip()
-                break
+        token = bearer(scope)
         if token is None:
             raise unauthorized("You didn't provide an API key. Send `Authorization: Bearer <key>`.")
         presented = hashlib.sha256(token).digest()

@@ -8,7 +8,7 @@ import time
 
 import orjson
 
-from proxy.asgi import Receive, Scope, Send, send_error
+from proxy.asgi import Receive, Scope, Send, header, send_error
 from proxy.errors import ProxyError, model_not_found
 from proxy.forward import Progress, StreamBroken, UpstreamFailure
 from proxy.parse import ParsedRequest, parse_request
@@ -26,15 +26,13 @@ class ClientGone(Exception):
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed `limit` (from
     Content-Length before reading anything, else while reading): never buffered unbounded."""
-    for key, value in scope["headers"]:
-        if key == b"content-length":
-            try:
-                declared = int(value)
-            except ValueError:
-                raise ProxyError(400, "Invalid Content-Length header.", code="invalid_request") from None
-            if declared > limit:
+    declared = header(scope, b"content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
                 raise _too_large(limit)
-            break
+        except ValueError:
+            raise ProxyError(400, "Invalid Content-Length header.", code="invalid_request") from None
     message = await receive()
     if message["type"] == "http.disconnect":
         raise ClientGone
@@ -110,7 +108,8 @@ _background: set[asyncio.Task] = set()  # strong references to running watchers
 async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
     started = time.perf_counter()
     request_id = _request_id(scope)
-    id_header = [(b"x-request-id", request_id.encode("latin-1"))]
+    rid = request_id.encode("ascii")
+    id_header = [(b"x-request-id", rid)]
     metrics = rt.metrics
     route = None
     try:
@@ -137,7 +136,6 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     if route.rewrite or changed:
         parsed.data["model"] = route.upstream_id
         body = orjson.dumps(parsed.data)
-    rid = request_id.encode("latin-1")
     rt.retries.deposit()
     tried: list[Backend] = []
     watch = DisconnectWatch(receive)
@@ -263,7 +261,7 @@ async def choose(
 
 
 def _request_id(scope: Scope) -> str:
-    for key, value in scope["headers"]:
-        if key == b"x-request-id" and 0 < len(value) <= 128 and value.isascii():
-            return value.decode("ascii")
+    value = header(scope, b"x-request-id")
+    if value is not None and 0 < len(value) <= 128 and value.isascii():
+        return value.decode("ascii")
     return os.urandom(12).hex()

@@ -12,7 +12,7 @@ from proxy.parse import ENDPOINTS
 
 class Backend:
     __slots__ = (
-        "name", "salt", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "urls", "headers",
+        "name", "salt", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "headers",
         "adapter_in_flight", "adapter_used", "adapter_epoch", "adapter_ops",
         "origin", "heads", "errors_in_row", "ejections", "ejected_until", "limit",
     )
@@ -34,7 +34,6 @@ class Backend:
         self.adapter_used: dict[str, float] = {}
         self.adapter_epoch = 0
         self.adapter_ops = 0
-        self.urls = {endpoint: config.url + endpoint for endpoint in ENDPOINTS}
         self.headers = {"Content-Type": "application/json"}
         if config.api_key:
             self.headers["Authorization"] = f"Bearer {config.api_key}"

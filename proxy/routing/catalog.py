@@ -1,7 +1,7 @@
 """Public model names (deployments) -> upstream model/adapter and the replicas able to serve them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxy.config import DeploymentConfig, ProxyConfig, Timeouts
 from proxy.routing.backends import Backend
@@ -25,12 +25,13 @@ class Route:
     def rewrite(self) -> bool:
         return self.name != self.upstream_id
 
-    @property
-    def rename(self) -> tuple[bytes, bytes] | None:
-        """Response bytes to swap so clients see the name they asked for in `model`."""
-        if not self.rewrite:
-            return None
-        return b'"model":"%s"' % self.upstream_id.encode(), b'"model":"%s"' % self.name.encode()
+    # response bytes to swap so clients see the name they asked for in `model` (set once, below)
+    rename: tuple[bytes, bytes] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.rewrite:
+            swap = (b'"model":"%s"' % self.upstream_id.encode(), b'"model":"%s"' % self.name.encode())
+            object.__setattr__(self, "rename", swap)
 
 
 def build_catalog(config: ProxyConfig, backends: list[Backend]) -> dict[str, Route]:

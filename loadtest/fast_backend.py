@@ -38,8 +38,8 @@ CHAT = _json({
 })
 
 
-def _sse_stream() -> list[bytes]:
-    """Chunked SSE response as separate writes: head, 16 chunks (last has finish_reason), [DONE]+end."""
+def _sse_events() -> list[bytes]:
+    """The stream's SSE events: 16 chunks (the last has finish_reason), then [DONE]."""
     events = []
     for i in range(N_CHUNKS):
         delta = {"role": "assistant", "content": ""} if i == 0 else {"content": f" tok{i}"}
@@ -48,13 +48,18 @@ def _sse_stream() -> list[bytes]:
                  "finish_reason": "stop" if i == N_CHUNKS - 1 else None}]}
         events.append(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
     events.append(b"data: [DONE]\n\n")
+    return events
+
+
+def _chunked(events: list[bytes]) -> list[bytes]:
     parts = [b"%x\r\n%s\r\n" % (len(e), e) for e in events]
     head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
             b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
     return [head + parts[0], *parts[1:-1], parts[-1] + b"0\r\n\r\n"]
 
 
-STREAM_PARTS = _sse_stream()
+STREAM_EVENTS = _sse_events()
+STREAM_PARTS = _chunked(STREAM_EVENTS)  # separate writes: head + first chunk, ..., last + end
 STREAM_BURST = b"".join(STREAM_PARTS)
 MODELS = _json({"object": "list", "data": [{
     "id": MODEL, "object": "model", "created": _NOW, "owned_by": "vllm", "root": MODEL,

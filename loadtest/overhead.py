@@ -34,6 +34,9 @@ HOST = "127.0.0.1"
 CONTENDERS = ["direct", "passthrough", "proxy", "vllm-router", "sglang-router"]
 # name, streaming, connections
 SCENARIOS = [("plain_c1", False, 1), ("plain_c32", False, 32), ("stream_c16", True, 16)]
+# fast: a raw-protocol fake (~150 k RPS, isolates the forwarder's own cost); asgi: a uvicorn fake
+# that costs what a Python server costs (the kind of backend ../shared/ANCHORS.md measured).
+BACKENDS = {"fast": "loadtest.fast_backend", "asgi": "loadtest.asgi_backend"}
 CHAT = {"model": "bench-model", "max_tokens": 16,
         "messages": [{"role": "user", "content": "Say hello in one short sentence."}]}
 
@@ -71,7 +74,8 @@ class Bench:
 
     def start_backend(self) -> str:
         port = free_port()
-        proc = self.spawn("backend", [sys.executable, "-m", "loadtest.fast_backend", "--port", str(port)])
+        module = BACKENDS[self.args.backend]
+        proc = self.spawn("backend", [sys.executable, "-m", module, "--port", str(port)])
         url = f"http://{HOST}:{port}"
         self.wait_ready(proc, url + "/health")
         return url
@@ -94,7 +98,8 @@ class Bench:
             cfg = self.tmp / "proxy.yaml"
             cfg.write_text(f"server: {{host: {HOST}, port: {port}}}\nbackends:\n"
                            f'  - {{name: b0, url: "{backend}", models: [bench-model]}}\n'
-                           "routing: {policy: least_loaded}\n")
+                           "routing: {policy: least_loaded}\n"
+                           f"logging: {{access_log: {'true' if self.args.access_log else 'false'}}}\n")
             cmd = [str(exe), "serve", "--config", str(cfg), "--port", str(port)]
             if self.args.proxy_workers:
                 cmd += ["--workers", str(self.args.proxy_workers)]
@@ -229,7 +234,12 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(CONTENDERS), help=f"comma list from {','.join(CONTENDERS)}")
     ap.add_argument("--peers-venv", default="/tmp/peers-venv", help="venv holding vllm-router / sglang-router")
     ap.add_argument("--peer-policy", default="round_robin", help="--policy passed to the peer routers")
+    ap.add_argument("--access-log", action="store_true",
+                    help="keep the proxy's per-request access log on (off by default: the peers run with "
+                         "--log-level warning, which logs no requests either)")
     ap.add_argument("--proxy-workers", type=int, default=0, help="pass --workers N to vllm-proxy serve")
+    ap.add_argument("--backend", choices=sorted(BACKENDS), default="fast",
+                    help="fake vLLM behind every contender: fast (raw protocol) or asgi (uvicorn)")
     ap.add_argument("--taskset", action="store_true", help="servers on cpu 1, wrk on cpu 0")
     ap.add_argument("--json", type=Path, help="also write raw and median results here")
     args = ap.parse_args()
@@ -243,9 +253,9 @@ def main() -> None:
     finally:
         bench.close()
     summaries = {c.name: summarize(c) for c in contenders}
-    print(f"\nforwarding overhead: {args.rounds} rounds x {args.duration:g} s, wrk -t1, "
+    print(f"\nforwarding overhead: backend {args.backend}, {args.rounds} rounds x {args.duration:g} s, wrk -t1, "
           f"taskset={'on' if args.taskset else 'off'}, peers --policy {args.peer_policy}, "
-          f"proxy workers {args.proxy_workers or 'default'}, "
+          f"proxy workers {args.proxy_workers or 'default'}, access log {'on' if args.access_log else 'off'}, "
           f"took {time.monotonic() - started:.0f} s")
     print(table(summaries))
     for name, why in bench.skipped.items():

@@ -1,6 +1,7 @@
 """The ASGI application: a dispatch table over raw ASGI handlers, and the lifespan."""
 from __future__ import annotations
 
+import gc
 import hmac
 import logging
 import os
@@ -114,6 +115,7 @@ class ProxyApp:
                     log.exception("startup failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
+                _settle_heap()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self.watcher is not None:
@@ -121,6 +123,15 @@ class ProxyApp:
                 await self.runtime.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _settle_heap() -> None:
+    """Move everything built at startup (modules, config, pydantic and prometheus machinery) out
+    of the cyclic collector's reach. Full collections otherwise walk all of it: on the overhead
+    benchmark those pauses made the latency's standard deviation ~7 ms instead of ~1.5 ms (p99 x3)
+    and cost throughput. What a config reload frees later is collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def _model_id(path: str) -> str | None:

@@ -12,6 +12,11 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 
+# Scope key set by our own server (proxy/server.py): an object with arm() -> watch (`gone`, `stop()`)
+# that cancels the request task when the client disconnects. Under other ASGI servers the handler
+# watches `receive()` itself.
+DISCONNECT = "vllm_proxy.disconnect"
+
 
 async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes, headers: Headers = ()) -> None:
     await send({

@@ -13,10 +13,13 @@ CONFIG_ENV = "VLLM_PROXY_CONFIG"
 
 
 def uvicorn_options(config: ProxyConfig) -> dict:
-    """The server settings the data path needs: uvloop + httptools, no access log, long keep-alive."""
+    """The server settings the data path needs: uvloop, httptools with our lean inference cycle
+    (proxy/server.py), no access log, long keep-alive."""
+    from proxy.server import ProxyProtocol
+
     return {
         "loop": "uvloop",
-        "http": "httptools",
+        "http": ProxyProtocol,
         "lifespan": "on",
         "access_log": False,
         "server_header": False,
@@ -53,8 +56,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from proxy.metrics import prepare_multiprocess_dir
 
         cleanup = prepare_multiprocess_dir()  # before the workers start: they write their metrics there
+        from proxy import workers as supervisor
+
         try:
-            uvicorn.run("proxy.cli:app_from_env", factory=True, host=host, port=port, workers=workers, **options)
+            return supervisor.serve(options, host, port, workers)
         finally:
             cleanup()
     else:

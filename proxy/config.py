@@ -41,7 +41,9 @@ class OutlierConfig(Strict):
 class ServerConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
-    workers: int = Field(1, ge=1)
+    workers: int = Field(
+        1, ge=1, description="processes, each with its own SO_REUSEPORT socket; share routing state via `redis`"
+    )
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
     keep_alive_s: float = Field(75.0, gt=0, description="client keep-alive; outlasts common client pools")
     upstream_keep_alive_s: float = Field(4.0, gt=0, description="shorter than vLLM's own 5 s keep-alive")

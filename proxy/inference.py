@@ -3,12 +3,13 @@ read the body (bounded), parse once, resolve the deployment, pick a replica, rel
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 
 import orjson
 
-from proxy.asgi import Receive, Scope, Send, header, send_error
+from proxy.asgi import DISCONNECT, Receive, Scope, Send, header, send_error
 from proxy.errors import ProxyError, model_not_found
 from proxy.forward import Progress, StreamBroken, UpstreamFailure
 from proxy.parse import ParsedRequest, parse_request
@@ -72,7 +73,8 @@ def no_backend(route: Route) -> ProxyError:
 
 class DisconnectWatch:
     """Cancels the request's task when the client goes away, so the upstream request is closed
-    (vLLM then aborts it) whether we are still waiting for the first byte or mid-stream.
+    (vLLM then aborts it) whether we are still waiting for the first byte or mid-stream. (Our own
+    server does this without a task: proxy/server.py; this is for any other ASGI server.)
 
     The watcher is never cancelled: once the response is complete, uvicorn's `receive()` returns
     `http.disconnect` by itself and the watcher ends quietly. (Cancelling it left a cancelled
@@ -138,7 +140,8 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         body = orjson.dumps(parsed.data)
     rt.retries.deposit()
     tried: list[Backend] = []
-    watch = DisconnectWatch(receive)
+    lean = scope.get(DISCONNECT)
+    watch = lean.arm() if lean is not None else DisconnectWatch(receive)
     try:
         while True:
             status, progress, series, failure = await _attempt(
@@ -260,8 +263,14 @@ async def choose(
     return await rt.policy.pick(candidates, parsed, route)
 
 
+_ID_PREFIX = os.urandom(6).hex()  # per process: ids of several workers and restarts never collide
+_id_counter = itertools.count()
+
+
 def _request_id(scope: Scope) -> str:
+    """The client's X-Request-ID if usable, else a new one (a counter: os.urandom per request was
+    a system call's worth of CPU on the hot path, and ids need to be unique, not secret)."""
     value = header(scope, b"x-request-id")
     if value is not None and 0 < len(value) <= 128 and value.isascii():
         return value.decode("ascii")
-    return os.urandom(12).hex()
+    return "%s%012x" % (_ID_PREFIX, next(_id_counter))

@@ -7,6 +7,7 @@ import pytest
 
 from proxy.app import ProxyApp
 from proxy.config import parse_config
+from proxy.server import ProxyProtocol
 from proxy.sim.app import create_app
 from proxy.sim.config import SimConfig
 from tests.support import ServerThread
@@ -27,9 +28,11 @@ class Servers:
         self.running.append(server)
         return server
 
-    def proxy(self, config: dict[str, Any]) -> ServerThread:
+    def proxy(self, config: dict[str, Any], http: Any = ProxyProtocol) -> ServerThread:
+        """The proxy under uvicorn with our lean inference cycle (as `vllm-proxy serve` runs it);
+        `http="httptools"` runs it as a plain ASGI app under stock uvicorn instead."""
         config.setdefault("discovery", {"interval_s": 0.2, "timeout_s": 1.0, "failures_to_down": 1})
-        server = ServerThread(ProxyApp(parse_config(config)), loop="uvloop", http="httptools").start()
+        server = ServerThread(ProxyApp(parse_config(config)), loop="uvloop", http=http).start()
         self.running.append(server)
         return server
 

@@ -26,12 +26,12 @@ def free_port() -> int:
 
 
 class ProxyProcess:
-    def __init__(self, path: Path, env: dict | None = None) -> None:
+    def __init__(self, path: Path, env: dict | None = None, args: tuple[str, ...] = ()) -> None:
         self.port = yaml.safe_load(path.read_text())["server"]["port"]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = path.with_suffix(".log")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--config", str(path)],
+            [sys.executable, "-m", "proxy", "serve", "--config", str(path), *args],
             cwd=ROOT, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
         assert eventually(self._ready, timeout=15), self.log.read_text()
@@ -133,3 +133,56 @@ def test_sigterm_drains_live_streams(servers: Servers, tmp_path: Path) -> None:
         t.join(timeout=30)
     assert proxy.proc.wait(timeout=30) == 0
     assert len(results) == 50 and all(r == (200, True) for r in results), results[:3]
+
+
+def worker_pids(supervisor: int) -> set[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(supervisor)], capture_output=True, text=True).stdout
+    pids = set()
+    for pid in map(int, out.split()):  # the spawn context also starts a resource tracker: skip it
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"resource_tracker" not in cmdline:
+            pids.add(pid)
+    return pids
+
+
+def test_workers_supervisor_restarts_reloads_and_drains(servers: Servers, tmp_path: Path) -> None:
+    sim = servers.sim(time_scale=1.0, itl_ms=60.0, prefill_ms_per_token=0.0, max_num_seqs=128)
+    path = tmp_path / "policy.yaml"
+    config = base_config(free_port(), sim)
+    write(path, config)
+    proxy = ProxyProcess(path, args=("--workers", "2"))
+    try:
+        workers = worker_pids(proxy.proc.pid)
+        assert len(workers) == 2, workers
+        # a worker that dies is replaced, and the port keeps answering meanwhile
+        victim = min(workers)
+        os.kill(victim, signal.SIGKILL)
+        assert eventually(lambda: len(worker_pids(proxy.proc.pid) - {victim}) == 2, timeout=15), proxy.log.read_text()
+        assert eventually(proxy._ready, timeout=15)
+        # SIGHUP to the supervisor is passed on, not fatal: the workers stay (no restart) and all
+        # end up on the new policy (their file watchers would see it as well)
+        workers = worker_pids(proxy.proc.pid)
+        config["deployments"] = [{"name": "renamed", "model": MODEL}]
+        path.write_text(yaml.safe_dump(config))
+        proxy.proc.send_signal(signal.SIGHUP)
+
+        def renamed_everywhere() -> bool:  # fresh connections: either worker may answer
+            return all(httpx.get(proxy.url + "/v1/models").json()["data"][0]["id"] == "renamed" for _ in range(8))
+
+        assert eventually(renamed_everywhere, timeout=10)
+        assert worker_pids(proxy.proc.pid) == workers and proxy.proc.poll() is None
+        # SIGTERM to the supervisor alone: both workers drain their live streams, exit 0
+        results: list = []
+        threads = [threading.Thread(target=stream, args=(proxy.url, "renamed", results, 30)) for _ in range(20)]
+        for t in threads:
+            t.start()
+        assert eventually(lambda: sim.server.config.app.stats()["running"] == 20, timeout=10)
+        proxy.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=30)
+        assert proxy.proc.wait(timeout=30) == 0
+        assert len(results) == 20 and all(r == (200, True) for r in results), results[:3]
+    finally:
+        for pid in worker_pids(proxy.proc.pid) if proxy.proc.poll() is None else ():
+            os.kill(pid, signal.SIGKILL)
+        proxy.stop()

@@ -11,6 +11,7 @@ import openai
 import orjson
 import pytest
 
+from proxy.server import ProxyProtocol
 from tests.conftest import MODEL, Servers, eventually, sim_of
 
 LONG_PROMPT = "word " * 2000
@@ -40,10 +41,16 @@ def test_chunks_arrive_unbuffered(servers: Servers) -> None:
     assert arrivals[-1] - arrivals[1] > 0.25
 
 
+# Disconnects are caught by our lean cycle under `vllm-proxy serve` (proxy/server.py) and by a
+# watcher task under any other ASGI server (stock uvicorn here): both must free the replica.
+SERVERS = pytest.mark.parametrize("http", [ProxyProtocol, "httptools"], ids=["lean", "stock-uvicorn"])
+
+
+@SERVERS
 @pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_during_prefill_frees_the_replica(servers: Servers, stream: bool) -> None:
+def test_disconnect_during_prefill_frees_the_replica(servers: Servers, stream: bool, http) -> None:
     sim = servers.sim(time_scale=1.0, prefill_ms_per_token=5.0, itl_ms=10.0)  # ~10 s of prefill
-    proxy = servers.proxy_for(sim)
+    proxy = servers.proxy({"backends": [{"name": "gpu-0", "url": sim.url}]}, http=http)
     body = orjson.dumps(chat(stream, content=LONG_PROMPT))
     sock = socket.create_connection(("127.0.0.1", proxy.port))
     sock.sendall(
@@ -58,9 +65,10 @@ def test_disconnect_during_prefill_frees_the_replica(servers: Servers, stream: b
     assert sim_of(sim).stats()["aborted"] == 1
 
 
-def test_disconnect_mid_stream_frees_the_replica(servers: Servers) -> None:
+@SERVERS
+def test_disconnect_mid_stream_frees_the_replica(servers: Servers, http) -> None:
     sim = servers.sim(time_scale=1.0, prefill_ms_per_token=0.0, itl_ms=50.0)
-    proxy = servers.proxy_for(sim)
+    proxy = servers.proxy({"backends": [{"name": "gpu-0", "url": sim.url}]}, http=http)
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", proxy.url + "/v1/chat/completions", json=chat(True, max_tokens=400)) as resp:
             lines = resp.iter_lines()

@@ -1,0 +1,246 @@
+"""uvicorn's HTTP protocol with a lean request cycle for the inference POSTs.
+
+uvicorn's generic cycle costs about as much CPU per request as everything the proxy itself does
+(measured on loadtest/overhead.py): it validates every response header with two regexes, writes
+the head and the body of a response in two system calls, and the disconnect watch the proxy needs
+costs a second task per request, blocked in `receive()`. For POST /v1/chat/completions,
+/v1/completions and /v1/embeddings, `ProxyProtocol` runs the app with `LeanCycle` instead: the
+same ASGI scope, receive and send, but the head goes out with the first body bytes (one write for
+a plain response), headers are trusted (the proxy builds them), and the client's disconnect
+cancels the request task directly (`scope[DISCONNECT].arm()`, see proxy/inference.py).
+
+Everything else (other paths, pipelined requests, `Expect: 100-continue`, upgrades, keep-alive,
+flow control, graceful shutdown) stays uvicorn's. Use it with `uvicorn.Config(http=ProxyProtocol)`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from proxy.asgi import DISCONNECT
+from proxy.errors import ProxyError
+
+log = logging.getLogger("vllm_proxy")
+
+LEAN_PATHS = frozenset(
+    p.encode() for p in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                         "/chat/completions", "/completions", "/embeddings")
+)
+_DISCONNECT_MESSAGE = {"type": "http.disconnect"}
+
+
+class ProxyProtocol(HttpToolsProtocol):
+    def on_headers_complete(self) -> None:
+        cycle = self.cycle
+        if (
+            self.url in LEAN_PATHS
+            and self.parser.get_method() == b"POST"
+            and not self.expect_100_continue
+            and (cycle is None or cycle.response_complete)
+            and not self.parser.should_upgrade()
+        ):
+            self._start_lean()
+        else:
+            super().on_headers_complete()
+
+    def _start_lean(self) -> None:
+        version = self.parser.get_http_version()
+        scope = self.scope
+        scope["method"] = "POST"
+        scope["path"] = self.url.decode("ascii")
+        scope["raw_path"] = self.url
+        scope["query_string"] = b""
+        if version != "1.1":
+            scope["http_version"] = version
+        self.cycle = cycle = LeanCycle(self, scope, version != "1.0" and self.parser.should_keep_alive())
+        task = self.loop.create_task(cycle.run(self.app))
+        cycle.task = task
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if type(cycle) is not LeanCycle:
+            super().on_body(body)
+        elif not cycle.response_complete:
+            cycle.body.append(body)
+            cycle.size += len(body)
+            if cycle.size > HIGH_WATER_LIMIT:
+                self.flow.pause_reading()  # receive() resumes it
+            cycle.wake()
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if type(cycle) is not LeanCycle:
+            super().on_message_complete()
+        elif not cycle.response_complete:
+            cycle.more_body = False
+            cycle.wake()
+
+
+class LeanCycle:
+    """One request-response cycle on a ProxyProtocol connection; quacks like uvicorn's
+    RequestResponseCycle where the protocol looks at it, and is its own disconnect watch."""
+
+    __slots__ = ("protocol", "transport", "flow", "scope", "body", "size", "more_body", "keep_alive",
+                 "response_complete", "disconnected", "delivered", "task", "armed", "gone", "_waiter", "_started", "_head",
+                 "_chunked")
+
+    def __init__(self, protocol: ProxyProtocol, scope: dict, keep_alive: bool) -> None:
+        self.protocol = protocol
+        self.transport = protocol.transport
+        self.flow = protocol.flow
+        self.scope = scope
+        scope[DISCONNECT] = self
+        self.body: list[bytes] = []
+        self.size = 0
+        self.more_body = True
+        self.keep_alive = keep_alive
+        self.response_complete = False
+        self.disconnected = False
+        self.delivered = False  # the whole body went to the app
+        self.task: asyncio.Task | None = None
+        self.armed = False
+        self.gone = False
+        self._waiter: asyncio.Future | None = None
+        self._started = False
+        self._head: list[bytes] | None = None  # the response head, until the first body bytes take it
+        self._chunked = False
+
+    # -- what uvicorn's protocol calls on its cycle (connection_lost, shutdown) ------------------
+    @property
+    def message_event(self) -> "LeanCycle":
+        return self
+
+    def set(self) -> None:
+        """The protocol's `message_event.set()`: after connection_lost, this is the disconnect."""
+        if self.disconnected and self.armed and not self.gone:
+            self.gone = True
+            self.task.cancel()  # type: ignore[union-attr]
+        self.wake()
+
+    def wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- the disconnect watch (proxy/inference.py) ----------------------------------------------
+    def arm(self) -> "LeanCycle":
+        """From now until stop(), a client disconnect cancels the request task."""
+        self.armed = True
+        if self.disconnected and not self.response_complete:
+            self.set()
+        return self
+
+    def stop(self) -> None:
+        self.armed = False
+
+    # -- ASGI --------------------------------------------------------------------------------
+    async def run(self, app: Any) -> None:
+        try:
+            await app(self.scope, self.receive, self.send)
+        except BaseException as exc:  # noqa: BLE001 - the app's bug must not kill the connection silently
+            if not isinstance(exc, asyncio.CancelledError):
+                log.error("exception in the request handler", exc_info=exc)
+            if not self._started and not self.disconnected:
+                err = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
+                self.keep_alive = False
+                await self.send({"type": "http.response.start", "status": 500,
+                                 "headers": [(b"content-type", b"application/json")]})
+                await self.send({"type": "http.response.body", "body": err.body()})
+            elif not self.response_complete:
+                self.transport.close()
+        finally:
+            self.protocol = None  # type: ignore[assignment]  # no cycle protocol<->cycle left behind
+            self.task = None
+
+    async def receive(self) -> dict:
+        if self.more_body or self.body or not self.delivered:
+            while not self.body and self.more_body and not self.disconnected:
+                await self._wait()
+            if self.disconnected:
+                return _DISCONNECT_MESSAGE
+            body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+            self.body.clear()
+            if self.size > HIGH_WATER_LIMIT:
+                self.flow.resume_reading()
+            self.size = 0
+            self.delivered = not self.more_body
+            return {"type": "http.request", "body": body, "more_body": self.more_body}
+        # Body read: like uvicorn, answer "disconnect" once the response is done or the client left.
+        while not (self.disconnected or self.response_complete):
+            await self._wait()
+        return _DISCONNECT_MESSAGE
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def send(self, message: dict) -> None:
+        kind = message["type"]
+        if kind == "http.response.body":
+            if self.response_complete:
+                raise RuntimeError("response already complete")
+            if self.flow.write_paused and not self.disconnected:
+                await self.flow.drain()
+            if self.disconnected:
+                return
+            body = message.get("body", b"")
+            more = message.get("more_body", False)
+            if not self._started:
+                raise RuntimeError("response not started")
+            out = self._head
+            if out is None:
+                out = []
+            else:
+                self._head = None
+            if self._chunked:
+                if body:
+                    out += (b"%x\r\n" % len(body), body, b"\r\n")
+                if not more:
+                    out.append(b"0\r\n\r\n")
+            elif body:
+                out.append(body)
+            if out:
+                self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            if not more:
+                self._complete()
+        elif kind == "http.response.start":
+            if self._started:
+                raise RuntimeError("response already started")
+            self._started = True
+            head = [STATUS_LINE[message["status"]]]
+            chunked = True
+            for name, value in message.get("headers", ()):
+                if name == b"content-length":
+                    chunked = False
+                elif name == b"connection" and b"close" in value.lower():
+                    self.keep_alive = False
+                    continue
+                head += (name, b": ", value, b"\r\n")
+            if chunked:
+                head.append(b"transfer-encoding: chunked\r\n")
+            if not self.keep_alive:
+                head.append(b"connection: close\r\n")
+            head.append(b"\r\n")
+            self._head = [b"".join(head)]
+            self._chunked = chunked
+        else:
+            raise RuntimeError(f"unexpected ASGI message {kind!r}")
+
+    def _complete(self) -> None:
+        self.response_complete = True
+        self.armed = False
+        self.wake()
+        protocol = self.protocol
+        if not self.keep_alive:
+            self.transport.close()
+        if protocol is not None:
+            protocol.on_response_complete()

@@ -1,0 +1,100 @@
+"""`serve --workers N`: N proxy processes, each listening on its own SO_REUSEPORT socket.
+
+uvicorn's own supervisor hands every worker one shared listening socket, and whichever worker
+wakes first accepts a burst of connections: with a few long-lived keep-alive clients one worker
+ran at 100 % CPU while the other idled at ~50 % (loadtest/overhead.py, 2 workers). With a socket
+per worker the kernel spreads connections over them by hash. The supervisor is small: it starts
+the workers, restarts one that dies, forwards SIGHUP (each worker reloads its config file) and
+on SIGTERM/SIGINT lets every worker drain, then exits 0.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+
+log = logging.getLogger("vllm_proxy")
+
+_QUICK_DEATH_S = 10.0  # a worker dying this soon after its start counts towards giving up
+_GIVE_UP_AFTER = 3  # consecutive quick deaths
+
+
+def reuseport_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    if listen:
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    return sock
+
+
+def _worker(options: dict, host: str, port: int) -> None:
+    """One worker process: its own socket, uvicorn's server (which drains on SIGTERM)."""
+    import uvicorn
+
+    config = uvicorn.Config("proxy.cli:app_from_env", factory=True, host=host, port=port, **options)
+    uvicorn.Server(config).run(sockets=[reuseport_socket(host, port)])
+
+
+def serve(options: dict, host: str, port: int, workers: int) -> int:
+    """Run `workers` worker processes until SIGTERM/SIGINT; returns the exit status."""
+    try:
+        # Claims the port (bound, never listening: it gets no connections) so a port that is
+        # taken fails here, once, instead of in every worker.
+        guard = reuseport_socket(host, port, listen=False)
+    except OSError as exc:
+        print(f"vllm-proxy: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    ctx = multiprocessing.get_context("spawn")
+    stopping = False
+
+    def start() -> tuple[multiprocessing.Process, float]:
+        proc = ctx.Process(target=_worker, args=(options, host, port), daemon=False)
+        proc.start()
+        return proc, time.monotonic()
+
+    def on_stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for proc, _ in procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)  # type: ignore[arg-type]
+
+    def on_hup(signum: int, frame: object) -> None:
+        for proc, _ in procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGHUP)  # type: ignore[arg-type]
+
+    procs = [start() for _ in range(workers)]
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    signal.signal(signal.SIGHUP, on_hup)
+    quick_deaths = 0
+    status = 0
+    try:
+        while not stopping:
+            time.sleep(0.2)
+            for i, (proc, started) in enumerate(procs):
+                if proc.is_alive() or stopping:
+                    continue
+                quick_deaths = quick_deaths + 1 if time.monotonic() - started < _QUICK_DEATH_S else 0
+                if quick_deaths >= _GIVE_UP_AFTER:
+                    print(f"vllm-proxy: workers keep exiting at startup (last exit code {proc.exitcode}); "
+                          "giving up", file=sys.stderr)
+                    on_stop(signal.SIGTERM, None)
+                    status = 1
+                    break
+                log.warning("worker %s exited with code %s; starting a new one", proc.pid, proc.exitcode)
+                procs[i] = start()
+        for proc, _ in procs:
+            proc.join()
+    finally:
+        guard.close()
+    return status

@@ -39,6 +39,8 @@ def _worker(options: dict, host: str, port: int) -> None:
     """One worker process: its own socket, uvicorn's server (which drains on SIGTERM)."""
     import uvicorn
 
+    # SIGHUP stays ignored (inherited, see serve()) until the config watcher handles it.
+
     config = uvicorn.Config("proxy.cli:app_from_env", factory=True, host=host, port=port, **options)
     uvicorn.Server(config).run(sockets=[reuseport_socket(host, port)])
 
@@ -57,7 +59,13 @@ def serve(options: dict, host: str, port: int, workers: int) -> int:
 
     def start() -> tuple[multiprocessing.Process, float]:
         proc = ctx.Process(target=_worker, args=(options, host, port), daemon=False)
-        proc.start()
+        # The child inherits "ignore SIGHUP" across exec (a handler would reset to the default,
+        # which kills it): a SIGHUP passed on while it imports must not end it.
+        previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGHUP, previous)
         return proc, time.monotonic()
 
     def on_stop(signum: int, frame: object) -> None:

@@ -1,7 +1,9 @@
 """Forwarding-overhead benchmark: our proxy vs the peers vs the backend alone, side by side.
 
-Every contender forwards to the same fast fake vLLM backend (loadtest.fast_backend) on
-loopback and is loaded with wrk. Contenders run interleaved (round r: each scenario, each
+Every contender forwards to the same fake vLLM backend on loopback (`--backend fast`, the
+default: loadtest.fast_backend, a raw protocol that isolates the forwarder's own cost; or
+`--backend asgi`: loadtest.asgi_backend on uvicorn, as costly as a Python server) and is loaded
+with wrk. Contenders run interleaved (round r: each scenario, each
 contender), so drift of a shared 2-core machine hits all of them alike; the table shows the
 median over rounds. A cell with any socket error or non-2xx answer is flagged '!' and gets
 no ratio: a contender that errors must not look fast.

@@ -159,7 +159,8 @@ def run_overhead(knobs: dict, ctx: dict, prog: Progress) -> dict:
     overhead.ensure_wrk()
     ns = argparse.Namespace(duration=knobs["duration"], rounds=knobs["rounds"], warmup=knobs["warmup"],
                             only=list(overhead.CONTENDERS), peers_venv=ctx["peers_venv"], peer_policy="round_robin",
-                            proxy_workers=0, taskset=False, json=None)
+                            proxy_workers=0, taskset=False, json=None, backend="fast",
+                            access_log=False)
     bench = overhead.Bench(ns)
     contenders, skipped = [], {}
     try:

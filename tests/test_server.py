@@ -1,0 +1,117 @@
+"""The HTTP edge cases of our lean inference cycle (proxy/server.py), on raw sockets: pipelining,
+chunked and large uploads, HTTP/1.0, Expect: 100-continue, a client leaving mid-upload."""
+from __future__ import annotations
+
+import socket
+
+import orjson
+
+from tests.conftest import MODEL, Servers
+
+
+def chat_body(content: str = "hello") -> bytes:
+    return orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 5})
+
+
+def request(body: bytes, *, version: str = "1.1", extra: bytes = b"") -> bytes:
+    return (b"POST /v1/chat/completions HTTP/%s\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n%s\r\n%s" % (version.encode(), len(body), extra, body))
+
+
+def read_response(f) -> tuple[int, dict, bytes]:
+    """One response from a buffered socket file: status, headers (lower-case), body."""
+    status = int(f.readline().split()[1])
+    headers = {}
+    while (line := f.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "content-length" in headers:
+        body = f.read(int(headers["content-length"]))
+    else:
+        body = b""
+        while (size := int(f.readline().strip(), 16)) > 0:
+            body += f.read(size)
+            f.readline()
+        f.readline()
+    return status, headers, body
+
+
+def connect(proxy) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+    return sock
+
+
+def test_pipelined_requests_are_answered_in_order(servers: Servers) -> None:
+    proxy = servers.proxy_for(servers.sim())
+    sock = connect(proxy)
+    ids = [b"first-0001", b"second-002", b"third-0003"]
+    sock.sendall(b"".join(request(chat_body(), extra=b"X-Request-ID: %s\r\n" % i) for i in ids))
+    f = sock.makefile("rb")
+    for rid in ids:
+        status, headers, body = read_response(f)
+        assert status == 200 and headers["x-request-id"] == rid.decode()
+        assert orjson.loads(body)["object"] == "chat.completion"
+    sock.close()
+
+
+def test_chunked_and_large_uploads(servers: Servers) -> None:
+    proxy = servers.proxy_for(servers.sim(max_model_len=400_000))
+    sock = connect(proxy)
+    f = sock.makefile("rb")
+    # chunked, in several writes
+    body = chat_body("chunked " * 50)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    sock.sendall(head)
+    for i in range(0, len(body), 100):
+        piece = body[i:i + 100]
+        sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+    sock.sendall(b"0\r\n\r\n")
+    status, _, answer = read_response(f)
+    assert status == 200, answer
+    # 1 MB: past the 64 KiB mark where reading pauses until the handler takes the body
+    big = chat_body("word " * 200_000)
+    assert len(big) > 1_000_000
+    sock.sendall(request(big))
+    status, _, answer = read_response(f)
+    assert status == 200, answer
+    # and the connection is still good for another request
+    sock.sendall(request(chat_body()))
+    assert read_response(f)[0] == 200
+    sock.close()
+
+
+def test_http_1_0_closes_and_expect_continue_works(servers: Servers) -> None:
+    proxy = servers.proxy_for(servers.sim())
+    sock = connect(proxy)
+    sock.sendall(request(chat_body(), version="1.0"))
+    f = sock.makefile("rb")
+    status, headers, _ = read_response(f)
+    assert status == 200 and headers.get("connection") == "close"
+    assert f.read() == b""  # the server closed the connection
+    sock.close()
+
+    sock = connect(proxy)
+    body = chat_body()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(body))
+    f = sock.makefile("rb")
+    assert f.readline().startswith(b"HTTP/1.1 100")
+    f.readline()
+    sock.sendall(body)
+    assert read_response(f)[0] == 200
+    sock.close()
+
+
+def test_client_leaving_mid_upload_leaves_the_proxy_healthy(servers: Servers) -> None:
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim)
+    for _ in range(5):
+        sock = connect(proxy)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n{\"model\":")
+        sock.close()
+    sock = connect(proxy)
+    sock.sendall(request(chat_body()))
+    assert read_response(sock.makefile("rb"))[0] == 200
+    sock.close()
+    assert sum(sim.server.config.app.stats()["requests"].values()) == 1  # nothing half-sent reached the replica

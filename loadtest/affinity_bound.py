@@ -19,12 +19,17 @@ def pooled_hit_rate(bodies: list[dict], *, model: str, block_size: int, num_bloc
                            max_num_seqs=1))
     engine = app.engine
 
+    per_request: list[tuple[int, int]] = []  # (hit tokens, queried tokens) of each body
+
     async def replay() -> None:
+        stats = engine.stats
         for body in bodies:
+            hits, queries = stats.prefix_hits, stats.prefix_queries
             await engine.execute(protocol.parse_chat(body, app.models))
+            per_request.append((stats.prefix_hits - hits, stats.prefix_queries - queries))
 
     asyncio.run(replay())
     stats = engine.stats
     return {"hits": stats.prefix_hits, "queries": stats.prefix_queries,
             "hit_rate": stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0,
-            "evictions": engine.cache.evictions}
+            "evictions": engine.cache.evictions, "per_request": per_request}

@@ -78,12 +78,14 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, expected: 
         out.reply_mismatches += 1
 
 
-async def run_load(workload: Workload, routers: list[str], concurrency: int, timeout_s: float = 120.0) -> LoadResult:
+async def run_load(workload: Workload, routers: list[str], concurrency: int, timeout_s: float = 120.0,
+                   out: LoadResult | None = None) -> LoadResult:
+    """Send the workload; `out` (optional) is filled as requests go, for a watcher in another thread."""
     turns, spec = workload.turns, workload.spec
     bodies = [orjson.dumps(t.body(spec)) for t in turns]
     completed = [asyncio.Event() for _ in turns]
     urls = [r + "/v1/chat/completions" for r in routers]
-    out = LoadResult()
+    out = out if out is not None else LoadResult()
     cursor = 0
 
     async def worker(session: aiohttp.ClientSession) -> None:

@@ -195,6 +195,8 @@ class SharedState:
     async def _run(self) -> None:
         while True:
             try:
+                if not self.up:
+                    await self._republish()
                 await self._sync()
                 if not self.up:
                     self.up, self._said_down = True, False
@@ -204,7 +206,23 @@ class SharedState:
                 raise
             except Exception as exc:
                 self._down(exc)
+                try:  # drop every pooled socket: after a Redis restart each stale one would fail once more
+                    await self.client.connection_pool.disconnect()
+                except Exception:
+                    pass
             await asyncio.sleep(self.sync_interval if self.up else 1.0)
+
+    async def _republish(self) -> None:
+        """Before (re)joining: write our mirrored placements where the shared table has none
+        (HSETNX), so a Redis that restarted empty gets the fleet's table back instead of every
+        proxy re-placing every tenant from scratch (cold caches); existing entries win."""
+        if not self.pins:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for pin, (members, at) in self.pins.items():
+            pipe.hsetnx(PINS_KEY, f"{pin:016x}", format_pin(members, at))
+        pipe.incr(PINS_VERSION)
+        await asyncio.wait_for(pipe.execute(), max(self.timeout * 4, 0.5))
 
     async def _sync(self) -> None:
         """Flush index and placement writes, publish our load, read everyone else's."""

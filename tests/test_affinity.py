@@ -168,8 +168,9 @@ def test_shared_growth_is_compare_and_set_and_connections_are_bounded(redis_db) 
     from proxy.shared import SharedState
 
     async def scenario() -> None:
-        a = SharedState(REDIS_URL, local_load=dict, max_connections=4)
-        b = SharedState(REDIS_URL, local_load=dict, max_connections=4)
+        # generous timeouts: on a loaded CI machine a 50 ms socket timeout would mark Redis down
+        a = SharedState(REDIS_URL, local_load=dict, max_connections=4, timeout_s=0.5)
+        b = SharedState(REDIS_URL, local_load=dict, max_connections=4, timeout_s=0.5)
         a.up = b.up = True
         try:
             assert await a.place(42, ("gpu-0",)) == ("gpu-0",)
@@ -187,3 +188,23 @@ def test_shared_growth_is_compare_and_set_and_connections_are_bounded(redis_db) 
             await b.client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_placements_survive_a_redis_restart(redis_db) -> None:
+    """A Redis that comes back empty gets the proxies' mirrored placements back (so tenants keep
+    their replicas and caches); an entry another proxy already wrote is not overwritten."""
+    from proxy.shared import PINS_KEY, SharedState, format_pin, parse_pin
+
+    async def scenario() -> None:
+        a = SharedState(REDIS_URL, local_load=dict)
+        try:
+            a.pins.update({42: (("gpu-0", "gpu-1"), time.time()), 7: (("gpu-3",), time.time())})
+            redis_db.hset(PINS_KEY, f"{7:016x}", format_pin(("gpu-2",), time.time()))  # written meanwhile
+            await a._republish()
+        finally:
+            await a.client.aclose()
+
+    asyncio.run(scenario())
+    table = {int(k, 16): parse_pin(v.decode())[0] for k, v in redis_db.hgetall(PINS_KEY).items()}
+    assert table == {42: ("gpu-0", "gpu-1"), 7: ("gpu-2",)}
+    assert redis_db.get("vp:pins:v") is not None  # bumped: every proxy re-reads the table

@@ -28,6 +28,10 @@ class Admission:
             await asyncio.wait_for(waiter, self.timeout)
         except asyncio.TimeoutError:
             raise saturated("Timed out waiting for a free model server slot; retry shortly.") from None
+        except asyncio.CancelledError:  # the client left: a slot handed to us goes to the next waiter
+            if waiter.done() and not waiter.cancelled():
+                self.released()
+            raise
         finally:
             if not waiter.done():
                 waiter.cancel()

@@ -114,8 +114,12 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     id_header = [(b"x-request-id", rid)]
     metrics = rt.metrics
     route = None
+    watch = None
     try:
         body = await read_body(scope, receive, rt.max_body_bytes)
+        # From here a client that leaves cancels this task (also while it waits for a slot).
+        lean = scope.get(DISCONNECT)
+        watch = lean.arm() if lean is not None else DisconnectWatch(receive)
         parsed = parse_request(endpoint, body)
         route = rt.catalog.get(parsed.model)
         if route is None or ("vllm_proxy.client" in scope and not scope["vllm_proxy.client"].may_use(route.name)):
@@ -126,13 +130,18 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         backend, reason = await choose(rt, route, parsed, trusted_only)
     except ClientGone:
         return
-    except ProxyError as err:
-        await send_error(send, err, id_header)
+    except asyncio.CancelledError:
+        if watch is None or not watch.gone:
+            raise
         deployment = route.name if route is not None else "unknown"
-        metrics.child(metrics.requests, deployment, "none", endpoint, str(err.status)).inc()
-        if rt.access is not None and rt.access.wanted():
-            rt.access.write(request_id, endpoint, deployment, "none", None, str(err.status), False,
-                            time.perf_counter() - started)
+        metrics.child(metrics.disconnects, deployment, "before_first_byte").inc()
+        _unrouted(rt, request_id, endpoint, deployment, CLIENT_CLOSED, started)
+        return
+    except ProxyError as err:
+        if watch is not None:
+            watch.stop()
+        await send_error(send, err, id_header)
+        _unrouted(rt, request_id, endpoint, route.name if route is not None else "unknown", str(err.status), started)
         return
 
     if route.rewrite or changed:
@@ -140,8 +149,6 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         body = orjson.dumps(parsed.data)
     rt.retries.deposit()
     tried: list[Backend] = []
-    lean = scope.get(DISCONNECT)
-    watch = lean.arm() if lean is not None else DisconnectWatch(receive)
     try:
         while True:
             status, progress, series, failure = await _attempt(
@@ -183,6 +190,14 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     if access is not None and access.wanted():
         access.write(request_id, endpoint, route.name, backend.name, reason, status, parsed.stream, ended - started,
                      ttft, overhead, progress.tail if parsed.stream else progress.body)
+
+
+def _unrouted(rt: Runtime, request_id: str, endpoint: str, deployment: str, status: str, started: float) -> None:
+    """Count (and log) a request that ended before reaching a replica."""
+    metrics = rt.metrics
+    metrics.child(metrics.requests, deployment, "none", endpoint, status).inc()
+    if rt.access is not None and rt.access.wanted():
+        rt.access.write(request_id, endpoint, deployment, "none", None, status, False, time.perf_counter() - started)
 
 
 async def _attempt(

@@ -5,8 +5,8 @@ uvicorn's generic cycle costs about as much CPU per request as everything the pr
 the head and the body of a response in two system calls, and the disconnect watch the proxy needs
 costs a second task per request, blocked in `receive()`. For POST /v1/chat/completions,
 /v1/completions and /v1/embeddings, `ProxyProtocol` runs the app with `LeanCycle` instead: the
-same ASGI scope, receive and send, but the head goes out with the first body bytes (one write for
-a plain response), headers are trusted (the proxy builds them), and the client's disconnect
+same ASGI scope, receive and send, but a plain response leaves in one write (head and body),
+headers are trusted (the proxy builds them), and the client's disconnect
 cancels the request task directly (`scope[DISCONNECT].arm()`, see proxy/inference.py).
 
 Everything else (other paths, pipelined requests, `Expect: 100-continue`, upgrades, keep-alive,
@@ -34,6 +34,17 @@ _DISCONNECT_MESSAGE = {"type": "http.disconnect"}
 
 
 class ProxyProtocol(HttpToolsProtocol):
+    lean: "LeanCycle | None" = None  # the lean cycle in progress (self.cycle may be a queued one)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # With a pipelined request queued behind it, `self.cycle` is that one, not the running
+        # lean cycle: tell the running one too, so its upstream request is closed.
+        lean = self.lean
+        if lean is not None and lean is not self.cycle and not lean.response_complete:
+            lean.disconnected = True
+            lean.set()
+        super().connection_lost(exc)
+
     def on_headers_complete(self) -> None:
         cycle = self.cycle
         if (
@@ -56,7 +67,7 @@ class ProxyProtocol(HttpToolsProtocol):
         scope["query_string"] = b""
         if version != "1.1":
             scope["http_version"] = version
-        self.cycle = cycle = LeanCycle(self, scope, version != "1.0" and self.parser.should_keep_alive())
+        self.cycle = self.lean = cycle = LeanCycle(self, scope, version != "1.0" and self.parser.should_keep_alive())
         task = self.loop.create_task(cycle.run(self.app))
         cycle.task = task
         task.add_done_callback(self.tasks.discard)
@@ -154,19 +165,32 @@ class LeanCycle:
                 await self.send({"type": "http.response.body", "body": err.body()})
             elif not self.response_complete:
                 self.transport.close()
+        else:  # the app returned without finishing its response: never leave the client waiting
+            if not self._started and not self.disconnected:
+                log.error("the request handler returned without a response")
+                self.keep_alive = False
+                err = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
+                await self.send({"type": "http.response.start", "status": 500,
+                                 "headers": [(b"content-type", b"application/json")]})
+                await self.send({"type": "http.response.body", "body": err.body()})
+            elif not self.response_complete:
+                self.transport.close()
         finally:
             # Leave no reference cycle behind (protocol <-> cycle, scope[DISCONNECT] <-> cycle,
             # task -> coroutine -> cycle): per-request garbage that only the cyclic collector
             # could free would cost throughput and tail latency.
+            protocol = self.protocol
+            if protocol is not None and protocol.lean is self:
+                protocol.lean = None
             self.protocol = None  # type: ignore[assignment]
             self.scope = None  # type: ignore[assignment]
             self.task = None
 
     async def receive(self) -> dict:
         if self.more_body or self.body or not self.delivered:
-            while not self.body and self.more_body and not self.disconnected:
+            while not self.body and self.more_body and not (self.disconnected or self.response_complete):
                 await self._wait()
-            if self.disconnected:
+            if self.disconnected or self.response_complete:
                 return _DISCONNECT_MESSAGE
             body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
             self.body.clear()
@@ -194,7 +218,7 @@ class LeanCycle:
                 raise RuntimeError("response already complete")
             if self.flow.write_paused and not self.disconnected:
                 await self.flow.drain()
-            if self.disconnected:
+            if self.disconnected or self.transport.is_closing():
                 return
             body = message.get("body", b"")
             more = message.get("more_body", False)
@@ -229,13 +253,19 @@ class LeanCycle:
                     self.keep_alive = False
                     continue
                 head += (name, b": ", value, b"\r\n")
+            for name, value in self.protocol.server_state.default_headers:  # Date (and Server if on)
+                head += (name, b": ", value, b"\r\n")
             if chunked:
                 head.append(b"transfer-encoding: chunked\r\n")
             if not self.keep_alive:
                 head.append(b"connection: close\r\n")
             head.append(b"\r\n")
-            self._head = [b"".join(head)]
             self._chunked = chunked
+            if chunked:  # a stream: its head goes out now (clients see the status before the first token)
+                if not self.disconnected and not self.transport.is_closing():
+                    self.transport.write(b"".join(head))
+            else:  # a plain body: head and body leave in one write
+                self._head = [b"".join(head)]
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
 

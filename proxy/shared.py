@@ -29,6 +29,7 @@ INDEX_PREFIX = "vp:px:"
 LOAD_KEY = "vp:load"
 PINS_KEY = "vp:pins"  # field: pin key (hex) -> "replica,replica,...|unix time of the last write"
 PINS_VERSION = "vp:pins:v"
+_REPUBLISH_BATCH = 500
 
 # place a tenant unless another proxy already did; bump the version so mirrors re-read
 _PLACE = """
@@ -215,14 +216,22 @@ class SharedState:
     async def _republish(self) -> None:
         """Before (re)joining: write our mirrored placements where the shared table has none
         (HSETNX), so a Redis that restarted empty gets the fleet's table back instead of every
-        proxy re-placing every tenant from scratch (cold caches); existing entries win."""
-        if not self.pins:
+        proxy re-placing every tenant from scratch (cold caches); existing entries win.
+        Best effort, in batches that yield to the request path; a failure is not an outage."""
+        items = list(self.pins.items())
+        if not items:
             return
-        pipe = self.client.pipeline(transaction=False)
-        for pin, (members, at) in self.pins.items():
-            pipe.hsetnx(PINS_KEY, f"{pin:016x}", format_pin(members, at))
-        pipe.incr(PINS_VERSION)
-        await asyncio.wait_for(pipe.execute(), max(self.timeout * 4, 0.5))
+        try:
+            for start in range(0, len(items), _REPUBLISH_BATCH):
+                pipe = self.client.pipeline(transaction=False)
+                for pin, (members, at) in items[start:start + _REPUBLISH_BATCH]:
+                    pipe.hsetnx(PINS_KEY, f"{pin:016x}", format_pin(members, at))
+                await asyncio.wait_for(pipe.execute(), max(self.timeout * 4, 0.5))
+            await asyncio.wait_for(self.client.incr(PINS_VERSION), max(self.timeout * 4, 0.5))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.info("republishing %d placements to redis stopped early: %s", len(items), _describe(exc))
 
     async def _sync(self) -> None:
         """Flush index and placement writes, publish our load, read everyone else's."""
@@ -306,7 +315,7 @@ class SharedState:
     def _down(self, exc: BaseException) -> None:
         if self.up or not self._said_down:
             self._said_down = True
-            log.warning("redis unreachable (%s): routing on local state until it returns", exc or type(exc).__name__)
+            log.warning("redis unreachable (%s): routing on local state until it returns", _describe(exc))
             self.up = False
             self.remote_load = {}
             self.remote_rate = {}
@@ -314,3 +323,7 @@ class SharedState:
             self._pending_pins = {}
             self._pins_version = None  # re-read the placements when Redis returns
             self.on_status(False)
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__

@@ -39,23 +39,54 @@ def _worker(options: dict, host: str, port: int) -> None:
     """One worker process: its own socket, uvicorn's server (which drains on SIGTERM)."""
     import uvicorn
 
+    _die_with_parent()
     # SIGHUP stays ignored (inherited, see serve()) until the config watcher handles it.
-
     config = uvicorn.Config("proxy.cli:app_from_env", factory=True, host=host, port=port, **options)
     uvicorn.Server(config).run(sockets=[reuseport_socket(host, port)])
 
 
-def serve(options: dict, host: str, port: int, workers: int) -> int:
-    """Run `workers` worker processes until SIGTERM/SIGINT; returns the exit status."""
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this worker if the supervisor dies (SIGKILL, OOM), so no orphan keeps serving."""
     try:
-        # Claims the port (bound, never listening: it gets no connections) so a port that is
-        # taken fails here, once, instead of in every worker.
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the supervisor died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def serve(options: dict, host: str, port: int, workers: int) -> int:
+    """Run `workers` worker processes until SIGTERM/SIGINT; returns the exit status.
+
+    Signal handlers only record what arrived; the loop acts on it. First SIGTERM/SIGINT: every
+    worker drains (uvicorn's graceful shutdown); a second one, or the drain deadline passing,
+    kills them. SIGHUP is passed to every worker (a reload; one arriving in the instant a worker
+    is being started is dropped, and the workers' file watchers still see a changed file)."""
+    stops = 0
+    hups = 0
+
+    def on_stop(signum: int, frame: object) -> None:
+        nonlocal stops
+        stops += 1
+
+    def on_hup(signum: int, frame: object) -> None:
+        nonlocal hups
+        hups += 1
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    signal.signal(signal.SIGHUP, on_hup)
+    try:
+        # Claims the port (bound, never listening: it gets no connections) so a port held by a
+        # socket without SO_REUSEPORT fails here, once, instead of in every worker.
         guard = reuseport_socket(host, port, listen=False)
     except OSError as exc:
         print(f"vllm-proxy: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     ctx = multiprocessing.get_context("spawn")
-    stopping = False
+    drain_s = float(options.get("timeout_graceful_shutdown") or 30.0) + 10.0
 
     def start() -> tuple[multiprocessing.Process, float]:
         proc = ctx.Process(target=_worker, args=(options, host, port), daemon=False)
@@ -68,41 +99,56 @@ def serve(options: dict, host: str, port: int, workers: int) -> int:
             signal.signal(signal.SIGHUP, previous)
         return proc, time.monotonic()
 
-    def on_stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+    def send(sig: int) -> None:
         for proc, _ in procs:
             if proc.is_alive():
-                os.kill(proc.pid, signal.SIGTERM)  # type: ignore[arg-type]
+                try:
+                    os.kill(proc.pid, sig)  # type: ignore[arg-type]
+                except ProcessLookupError:
+                    pass
 
-    def on_hup(signum: int, frame: object) -> None:
-        for proc, _ in procs:
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGHUP)  # type: ignore[arg-type]
-
-    procs = [start() for _ in range(workers)]
-    signal.signal(signal.SIGTERM, on_stop)
-    signal.signal(signal.SIGINT, on_stop)
-    signal.signal(signal.SIGHUP, on_hup)
-    quick_deaths = 0
+    procs: list[tuple[multiprocessing.Process, float]] = []
     status = 0
+    quick_deaths = 0
+    handled_stops = handled_hups = 0
+    stop_deadline = None
     try:
-        while not stopping:
-            time.sleep(0.2)
-            for i, (proc, started) in enumerate(procs):
-                if proc.is_alive() or stopping:
-                    continue
-                quick_deaths = quick_deaths + 1 if time.monotonic() - started < _QUICK_DEATH_S else 0
-                if quick_deaths >= _GIVE_UP_AFTER:
-                    print(f"vllm-proxy: workers keep exiting at startup (last exit code {proc.exitcode}); "
-                          "giving up", file=sys.stderr)
-                    on_stop(signal.SIGTERM, None)
-                    status = 1
+        while len(procs) < workers and not stops:
+            procs.append(start())
+        while True:
+            if stops != handled_stops:
+                handled_stops = stops
+                if stop_deadline is None:
+                    stop_deadline = time.monotonic() + drain_s
+                    send(signal.SIGTERM)
+                else:
+                    send(signal.SIGKILL)  # asked twice: stop now
+            if stop_deadline is not None:
+                if not any(proc.is_alive() for proc, _ in procs):
                     break
-                log.warning("worker %s exited with code %s; starting a new one", proc.pid, proc.exitcode)
-                procs[i] = start()
+                if time.monotonic() > stop_deadline:
+                    print("vllm-proxy: workers still draining at the deadline; killing them", file=sys.stderr)
+                    send(signal.SIGKILL)
+                    stop_deadline = time.monotonic() + 5.0
+            elif hups != handled_hups:
+                handled_hups = hups
+                send(signal.SIGHUP)
+            if stop_deadline is None:
+                for i, (proc, started) in enumerate(procs):
+                    if proc.is_alive():
+                        continue
+                    quick_deaths = quick_deaths + 1 if time.monotonic() - started < _QUICK_DEATH_S else 0
+                    if quick_deaths >= _GIVE_UP_AFTER:
+                        print(f"vllm-proxy: workers keep exiting at startup (last exit code {proc.exitcode}); "
+                              "giving up", file=sys.stderr)
+                        status = 1
+                        stops += 1
+                        break
+                    log.warning("worker %s exited with code %s; starting a new one", proc.pid, proc.exitcode)
+                    procs[i] = start()
+            time.sleep(0.1)
         for proc, _ in procs:
-            proc.join()
+            proc.join(5.0)
     finally:
         guard.close()
     return status

@@ -174,3 +174,44 @@ def test_timeouts_per_deployment(servers: Servers) -> None:
         assert resp.status_code == 504 and resp.json()["error"]["code"] == "upstream_timeout"
     assert 0.3 <= timings["hasty"] < 1.0 <= 2.0 <= timings["patient"] < 3.0
     fault(sim, hang=False)
+
+
+def test_admission_queue_429_and_clients_leaving_the_queue(servers: Servers) -> None:
+    """One slot per replica: further requests wait in FIFO order, a full queue answers 429 with
+    Retry-After, and a client that gives up while queued leaves the queue at once (it neither
+    reaches the replica nor holds up the requests behind it)."""
+    sim = servers.sim(time_scale=1.0, itl_ms=60.0, prefill_ms_per_token=0.0)  # ~0.6 s per request
+    proxy = servers.proxy({"backends": [{"name": "gpu-0", "url": sim.url, "max_in_flight": 1}],
+                           "server": {"max_queue": 2, "queue_timeout_s": 10}})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+
+    def post() -> httpx.Response:
+        return httpx.post(proxy.url + CHAT, json=body, timeout=30)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        first = pool.submit(post)
+        assert eventually(lambda: sim_of(sim).stats()["running"] == 1, timeout=3)
+        queued = [pool.submit(post) for _ in range(2)]
+        time.sleep(0.2)
+        rejected = post()  # the queue (2) is full
+        assert rejected.status_code == 429 and rejected.headers["retry-after"] == "1"
+        assert rejected.json()["error"]["code"] == "server_saturated"
+        assert [f.result().status_code for f in [first, *queued]] == [200, 200, 200]
+
+    # a client leaves the queue: the one behind it is served right after the running request
+    requests_before = sum(sim_of(sim).stats()["requests"].values())
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(post)
+        assert eventually(lambda: sim_of(sim).stats()["running"] == 1, timeout=3)
+        raw = httpx.Request("POST", proxy.url + CHAT, json=body).read()
+        leaver = socket.create_connection(("127.0.0.1", proxy.port))
+        leaver.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                       % (CHAT.encode(), len(raw), raw))
+        time.sleep(0.2)
+        leaver.close()  # gives up while queued
+        behind = pool.submit(post)
+        done_running = running.result()
+        finished_at = time.monotonic()
+        assert done_running.status_code == 200 and behind.result().status_code == 200
+        assert time.monotonic() - finished_at < 1.0  # not held up by a request nobody waits for
+    assert sum(sim_of(sim).stats()["requests"].values()) - requests_before == 2  # the leaver never ran

@@ -186,3 +186,27 @@ def test_workers_supervisor_restarts_reloads_and_drains(servers: Servers, tmp_pa
         for pid in worker_pids(proxy.proc.pid) if proxy.proc.poll() is None else ():
             os.kill(pid, signal.SIGKILL)
         proxy.stop()
+
+
+def test_workers_exit_when_the_supervisor_is_killed(servers: Servers, tmp_path: Path) -> None:
+    sim = servers.sim()
+    path = tmp_path / "policy.yaml"
+    write(path, base_config(free_port(), sim))
+    proxy = ProxyProcess(path, args=("--workers", "2"))
+    workers = worker_pids(proxy.proc.pid)
+    assert len(workers) == 2
+    proxy.proc.kill()  # SIGKILL: no chance to pass anything on
+    proxy.proc.wait()
+
+    def gone() -> bool:
+        return not any(Path(f"/proc/{pid}").exists() and b"(Z)" not in Path(f"/proc/{pid}/stat").read_bytes()
+                       for pid in workers)
+
+    try:
+        assert eventually(gone, timeout=15), "workers outlived their supervisor"
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -39,6 +39,8 @@ guard against a real queue (more than ceil((1 + eps) x mean) + queue_slack in fl
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import time
 from typing import Sequence
@@ -63,6 +65,7 @@ _ROOM_COST = 0.02
 _LOAD_WEIGHT = 5.0
 _MOVE_COST = 0.002
 _MIN_GAIN = 0.005
+_PLAN_BUDGET = 1000  # candidate changes evaluated per repair (bounds its time on the request path)
 
 
 def rendezvous_weight(key: int, salt: int) -> int:
@@ -315,7 +318,7 @@ class PrefixAffinity:
         caps = [min(self._capacity(b, even), even) for b in candidates]
         target = (1.0 + self.config.epsilon / 2) / n
 
-        def cost(counts: list[int], fixed: list[float]) -> float:
+        def spread(fixed: list[float]) -> list[float]:
             loads = list(fixed)
             for share, inside in flex:  # water-fill the tenant's traffic into its members
                 levels = sorted(loads[i] for i in inside)
@@ -325,32 +328,45 @@ class PrefixAffinity:
                     level = (sum(levels[:k]) + share) / k
                 for i in inside:
                     loads[i] = max(loads[i], level)
-            return sum(_ROOM_COST * max(0.0, counts[i] - caps[i]) ** 2
-                       + _LOAD_WEIGHT * max(0.0, loads[i] - target) for i in range(n))
+            return loads
+
+        def costs(counts: list[int], loads: list[float]) -> list[float]:
+            return [_ROOM_COST * max(0.0, counts[i] - caps[i]) ** 2 + _LOAD_WEIGHT * max(0.0, loads[i] - target)
+                    for i in range(n)]
+
+        loads = spread(fixed)
+        now_costs = costs(counts, loads)
+        for side in singles:
+            side.sort()
+
+        def options():
+            """Moves out of the costliest replicas first, each also as swaps with the tenants of
+            the target whose shares come closest to evening out the two replicas' traffic."""
+            for a in sorted(range(n), key=now_costs.__getitem__, reverse=True):
+                if now_costs[a] <= 0:
+                    return
+                for share, pin in singles[a]:
+                    for b in range(n):
+                        if b != a:
+                            yield ((share, pin, a, b),)
+                            at = bisect.bisect_left(singles[b], (share - (loads[a] - loads[b]) / 2,))
+                            for other, pin2 in singles[b][max(at - 1, 0):at + 1]:
+                                yield (share, pin, a, b), (other, pin2, b, a)
 
         best: tuple = ()
-        best_cost = cost(counts, fixed) - _MIN_GAIN
-        for a in range(n):
-            for share, pin in singles[a]:
-                for b in range(n):
-                    if b == a:
-                        continue
-                    for other, pin2 in [(0.0, None)] + singles[b]:
-                        c, f = list(counts), list(fixed)
-                        c[a] -= 1
-                        c[b] += 1
-                        f[a] += other - share
-                        f[b] += share - other
-                        moves = ((pin, a, b),)
-                        if pin2 is not None:
-                            c[a] += 1
-                            c[b] -= 1
-                            moves += ((pin2, b, a),)
-                        total = cost(c, f) + _MOVE_COST * len(moves)
-                        if total < best_cost:
-                            best, best_cost = moves, total
+        best_cost = sum(now_costs) - _MIN_GAIN
+        for moves in itertools.islice(options(), _PLAN_BUDGET):
+            c, f = list(counts), list(fixed)
+            for share, _, a, b in moves:
+                c[a] -= 1
+                c[b] += 1
+                f[a] -= share
+                f[b] += share
+            total = sum(costs(c, spread(f))) + _MOVE_COST * len(moves)
+            if total < best_cost:
+                best, best_cost = moves, total
         names = [b.name for b in candidates]
-        return [(pin, (names[a],), (names[b],)) for pin, a, b in best]
+        return [(pin, (names[a],), (names[b],)) for _, pin, a, b in best]
 
     def _capacity(self, backend: Backend, default):
         """Tenant prompts the replica's cache keeps: `cache_fill` of its size over the mean system

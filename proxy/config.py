@@ -158,10 +158,18 @@ class AffinityConfig(Strict):
         64.0, ge=0, description="no replica set grows before this proxy has routed this many (decayed) requests"
     )
     move_after_s: float = Field(
-        2.0, ge=0, description="a single-replica tenant whose replica is over the bound moves at most this often"
+        2.0, ge=0, description="a tenant the packing repair moved stays put at least this long"
     )
     cool_down_s: float = Field(
         30.0, gt=0, description="a tenant's replica set shrinks only this long after it last changed"
+    )
+    cache_fill: float = Field(
+        0.65, gt=0, le=1, description="share of a replica's prefix cache (vllm:cache_config_info) that tenants' "
+        "system prompts (sized at 4 characters a token) may fill; the rest holds conversations"
+    )
+    rebalance_interval_s: float = Field(
+        2.0, gt=0, description="period of the packing repair: one proxy moves or swaps at most one tenant per period "
+        "when a replica holds more prompts than its cache or an even spread, or traffic beyond (1+eps/2) x mean"
     )
 
 

@@ -6,6 +6,8 @@ them per backend (labels: the backend's configured name only):
 - `vllm_proxy_backend_requests_waiting`  <- vllm:num_requests_waiting (summed over engines)
 - `vllm_proxy_backend_kv_cache_usage`    <- vllm:kv_cache_usage_perc, legacy vllm:gpu_cache_usage_perc
                                             (mean over engines; 0..1)
+- `Backend.cache_tokens` (for prefix_affinity's packing) <- vllm:cache_config_info labels
+  num_gpu_blocks x block_size (summed over engines)
 - `vllm_proxy_backend_prefix_cache_hit_ratio` <- delta vllm:prefix_cache_hits / delta
   vllm:prefix_cache_queries between two scrapes (legacy: vllm:gpu_prefix_cache_hits/queries,
   or the V0 gauge vllm:gpu_prefix_cache_hit_rate). The first scrape, or one after a counter reset,
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +42,8 @@ QUERIES = {b"vllm:prefix_cache_queries_total", b"vllm:prefix_cache_queries",
 HITS = {b"vllm:prefix_cache_hits_total", b"vllm:prefix_cache_hits",
         b"vllm:gpu_prefix_cache_hits_total", b"vllm:gpu_prefix_cache_hits"}
 HIT_RATE = {b"vllm:gpu_prefix_cache_hit_rate"}  # V0 gauge, already a ratio
+CACHE_CONFIG = b"vllm:cache_config_info"
+_LABEL = re.compile(rb'(\w+)="([^"]*)"')
 WANTED = WAITING | KV_USAGE | QUERIES | HITS | HIT_RATE
 
 
@@ -51,14 +56,23 @@ class Reading:
     queries: float | None = None
     hits: float | None = None
     hit_rate: float | None = None
+    cache_tokens: int | None = None
 
 
 def parse_vllm_metrics(text: bytes) -> Reading:
     """The values we publish, from a vLLM Prometheus text exposition."""
     sums: dict[bytes, float] = {}
     counts: dict[bytes, int] = {}
+    cache_tokens = None
     for line in text.split(b"\n"):
         if not line.startswith(b"vllm:"):
+            continue
+        if line.startswith(CACHE_CONFIG):
+            labels = dict(_LABEL.findall(line))
+            try:
+                cache_tokens = (cache_tokens or 0) + int(labels[b"num_gpu_blocks"]) * int(labels[b"block_size"])
+            except (KeyError, ValueError):
+                pass
             continue
         brace = line.find(b"{")
         if brace >= 0:
@@ -88,7 +102,7 @@ def parse_vllm_metrics(text: bytes) -> Reading:
         n = sum(counts.get(k, 0) for k in names)
         return sum(sums.get(k, 0.0) for k in names) / n if n else None
 
-    return Reading(total(WAITING), mean(KV_USAGE), total(QUERIES), total(HITS), mean(HIT_RATE))
+    return Reading(total(WAITING), mean(KV_USAGE), total(QUERIES), total(HITS), mean(HIT_RATE), cache_tokens)
 
 
 class _Previous:
@@ -139,6 +153,8 @@ class BackendScraper:
             self._forget(backend.name)
             return
         m, name = self.metrics, backend.name
+        if reading.cache_tokens:
+            backend.cache_tokens = reading.cache_tokens
         prev = self._previous.setdefault(name, _Previous())
         ratio = hit_ratio(prev, reading)
         for family, value in ((m.backend_waiting, reading.waiting), (m.backend_kv_usage, reading.kv_usage),

@@ -50,6 +50,13 @@ end
 return cur
 """
 
+# take a lease when free, or renew it when the caller holds it
+_LEASE = """
+if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('pexpire', KEYS[1], ARGV[2]) return 1 end
+return 0
+"""
+
 
 def parse_pin(value: str) -> tuple[tuple[str, ...], float]:
     members, _, stamp = value.rpartition("|")
@@ -151,6 +158,23 @@ class SharedState:
         if found is not None:
             self._pending_pins.pop(pin, None)
         return found
+
+    async def lease(self, name: str, seconds: float) -> bool:
+        """True while this proxy holds `name`: taken when free, renewed for `seconds` by its
+        holder; False for the others or when Redis cannot answer now."""
+        if not self.up or self._busy >= self.max_connections - 1:
+            return False
+        self._busy += 1
+        try:
+            held = await asyncio.wait_for(
+                self.client.eval(_LEASE, 1, f"vp:lease:{name}", self.proxy_id, max(int(seconds * 1000), 1)),
+                self.timeout)
+        except Exception as exc:
+            self._down(exc)
+            return False
+        finally:
+            self._busy -= 1
+        return held == 1
 
     async def _pin_script(self, script: str, pin: int, *args: str) -> tuple[str, ...] | None:
         """Run a compare-and-set script on the tenant table; the stored entry wins."""

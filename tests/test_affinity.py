@@ -92,6 +92,33 @@ def test_hot_prefix_spills_within_the_load_bound() -> None:
     assert min(b.in_flight for b in bs) > 0  # the hot key spread as far as its load needed
 
 
+def test_packing_repair_moves_a_tenant_out_of_a_crowded_cache() -> None:
+    """Warm-up placements crowded one replica's cache: the repair moves a small tenant to the
+    replica with room (never the hot two-replica tenant), then stops once the packing is fine."""
+    bs = backends(4)
+    for b in bs:
+        b.cache_tokens = 100_000
+    policy = PrefixAffinity(AffinityConfig(move_after_s=0, grow_min_requests=0))
+    now = time.time()
+    sets = {1: ("gpu-0", "gpu-1"), 2: ("gpu-2",), 3: ("gpu-2",), 4: ("gpu-2",), 5: ("gpu-2",), 6: ("gpu-3",)}
+    shares = {1: 0.4, 2: 0.05, 3: 0.05, 4: 0.04, 5: 0.03, 6: 0.25}  # gpu-3 is full by traffic
+    for pin, members in sets.items():
+        policy.pins[pin] = (members, now - 10)
+        policy.tenant_rate.add(pin, now, shares[pin])
+    policy.tenant_rate.add(None, now, 1.0)
+    policy._prompt_chars = 40_000.0  # 10 k tokens: 6.5 prompts fit, more than an even spread (2)
+    plan = policy._plan(bs, now)
+    assert len(plan) == 1 and plan[0][1] == ("gpu-2",) and plan[0][2] in (("gpu-0",), ("gpu-1",))
+    pin, _, new = plan[0]
+    policy.pins[pin] = (new, now - 10)
+    for _ in range(3):
+        for pin, old, new in policy._plan(bs, now):
+            policy.pins[pin] = (new, now - 10)
+    counts = policy._tenant_counts()
+    assert max(counts.values()) <= 3 and policy.pins[1][0] == ("gpu-0", "gpu-1")
+    assert policy._plan(bs, now) == []
+
+
 def test_conversation_follows_its_earlier_turns() -> None:
     bs = backends(4)
     policy = PrefixAffinity(AffinityConfig(block_chars=64, queue_slack=0))
@@ -178,6 +205,7 @@ def test_shared_growth_is_compare_and_set_and_connections_are_bounded(redis_db) 
             first, second = await asyncio.gather(a.grow(42, ("gpu-0",), ("gpu-0", "gpu-1")),
                                                  b.grow(42, ("gpu-0",), ("gpu-0", "gpu-2")))
             assert first == second and len(first) == 2
+            assert await a.lease("t", 5) and not await b.lease("t", 5) and await a.lease("t", 5)  # held, renewed
             results = await asyncio.gather(*(a.longest([1, 2, 3]) for _ in range(50)))
             assert all(r in ((0, None), None) for r in results) and a.up
             pool = a.client.connection_pool

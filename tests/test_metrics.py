@@ -248,9 +248,10 @@ vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
 vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 400.0
 vllm:lora_requests_info{max_lora="1",running_lora_adapters="a b",waiting_lora_adapters=""} 1.7e9
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="8192"} 1.0
 """
     r = parse_vllm_metrics(current)
-    assert (r.waiting, r.kv_usage, r.queries, r.hits) == (5.0, 0.5, 1000.0, 400.0)
+    assert (r.waiting, r.kv_usage, r.queries, r.hits, r.cache_tokens) == (5.0, 0.5, 1000.0, 400.0, 16 * 8192)
     legacy = b"""vllm:num_requests_waiting{model_name="m"} 1.0
 vllm:gpu_cache_usage_perc{model_name="m"} 0.5
 vllm:gpu_prefix_cache_queries_total{model_name="m"} 10.0

@@ -11,9 +11,8 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    and the fewest tenants) only if the tenant's own traffic needs it (share x N >= grow_fill x
    set size) and the fleet is past warm-up (`grow_min_requests`); with Redis the growth is a
    compare-and-set on the shared table, so proxies growing one tenant at once agree. A smaller
-   tenant instead **moves** (single-replica tenants, at most every `move_after_s`) to a replica
-   where its traffic fits, else stays up to the looser (continuation) bound, else spills that
-   one request. When the tenant cools (its traffic would fit in one replica less, for
+   tenant instead stays up to the looser (continuation) bound, else spills that one request
+   (step 5 re-homes it). When the tenant cools (its traffic would fit in one replica less, for
    `cool_down_s`) the last member is dropped.
 4. A tenant never seen is **placed** on the replica with the least load and cache pressure
    (tenants placed there), ties broken by rendezvous hashing. With Redis the placement is
@@ -21,6 +20,15 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    every proxy mirrors, so all proxies agree on every tenant's set. When Redis is down, known
    tenants keep their mirrored sets and unknown ones fall back to rendezvous order (stateless
    agreement); without Redis at all, this process's table is the authority.
+5. Placement is online bin packing with two limits, traffic (the bound) and cache room (tenants'
+   system prompts per replica: its `vllm:cache_config_info` size x `cache_fill`, and no more than
+   an even spread, since each replica's conversations need room too), and warm-up placements are
+   blind to popularity. So every `rebalance_interval_s` a **packing repair** moves one
+   single-replica tenant, or swaps two, where that lowers the excess prompts (squared) plus the
+   traffic beyond (1 + eps/2) x mean by enough, counting multi-replica tenants as flexible
+   (their new conversations fill their least-loaded members). With Redis one proxy at a time
+   plans (a lease it renews), so a single estimate of the tenants' shares decides, and it writes
+   by compare-and-set on the shared table.
 
 The bound (consistent hashing with bounded loads, Mirrokni et al. 2017) applies to a
 **smoothed** load: the exponentially decayed count of requests routed to each replica (time
@@ -31,6 +39,8 @@ guard against a real queue (more than ceil((1 + eps) x mean) + queue_slack in fl
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import time
 from typing import Sequence
@@ -45,6 +55,17 @@ from proxy.shared import SharedState
 
 _MASK = (1 << 64) - 1
 _RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulators past it
+_CHARS_PER_TOKEN = 4  # to size a system prompt (pin blocks x block_chars) in cache tokens
+# packing repair (`_plan`), costs in shares of all traffic: prompts a replica holds beyond its
+# cache or an even spread (its conversations need room too) cost _ROOM_COST x excess^2 (evictions
+# grow faster than the excess, and when every cache is over, an even excess is best); traffic
+# beyond (1 + eps/2) x mean counts _LOAD_WEIGHT times; a change must save _MIN_GAIN after paying
+# _MOVE_COST per tenant moved (its next conversation misses once; the estimates are noisy)
+_ROOM_COST = 0.02
+_LOAD_WEIGHT = 5.0
+_MOVE_COST = 0.002
+_MIN_GAIN = 0.005
+_PLAN_BUDGET = 1000  # candidate changes evaluated per repair (bounds its time on the request path)
 
 
 def rendezvous_weight(key: int, salt: int) -> int:
@@ -108,6 +129,8 @@ class PrefixAffinity:
         self._slots_total = 0
         self._fleet_rate = 0.0  # smoothed requests routed over all proxies, as of the last decision
         self._growing: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # (old set, new set) for _grow
+        self._prompt_chars = 0.0  # request-weighted moving mean of the system prompt's size
+        self._next_repair = now
         if shared is not None:
             shared.rate_tau = config.load_window_s
             shared.local_rates = self.routed.snapshot
@@ -140,6 +163,10 @@ class PrefixAffinity:
         if match is None:
             match = self.index.longest(key.chain)
         now = time.time()
+        chars = max(key.pin_blocks, 1) * cfg.block_chars
+        self._prompt_chars += (chars - self._prompt_chars) * (0.01 if self._prompt_chars else 1.0)
+        if now >= self._next_repair:
+            await self._repair(candidates, now)
         chosen, reason = self._choose(candidates, key.pin, key.pin_blocks, match, now)
         if reason == "place":
             chosen, reason = await self._place(candidates, key.pin, chosen, now)
@@ -199,13 +226,6 @@ class PrefixAffinity:
         # looser (continuation) bound, beyond that single requests spill without changing its set.
         if present and not self._may_grow(pin, len(members), n):
             other = self._best(candidates, rates, flights, cap, qcap, pin, members, grow=True)
-            # a single-replica tenant on an overloaded replica moves (placements made while warming
-            # up are blind to popularity) if its traffic fits where it goes and it has not moved lately
-            if len(members) == 1 and self._may_move(pin, n, now) and (self.shared is None or self.shared.up):
-                target = self._move_target(candidates, rates, flights, qcap, pin, members[0], (mean + cap) / 2)
-                if target is not None:
-                    self._set(pin, (target.name,), now)
-                    return target, "moved"
             hard = cap + cfg.continuation_slack * mean
             for name in members:
                 for i, backend in enumerate(candidates):
@@ -243,34 +263,117 @@ class PrefixAffinity:
             fits = rates[i] + 1 <= cap and flights[i] + 1 <= qcap
             count = counts.get(backend.name, 0)
             score = (rates[i] + 1) / mean_rate + (0.5 if grow else 1.0) * (count + 1) / mean_count
-            k = (backend.name in exclude, not fits, count + 1 > slots, round(score, 6),
+            k = (backend.name in exclude, not fits, count + 1 > self._capacity(backend, slots), round(score, 6),
                  -rendezvous_weight(pin, backend.salt))
             if best_key is None or k < best_key:
                 best, best_key = backend, k
         return best  # type: ignore[return-value]
 
-    def _move_target(
-        self, candidates: Sequence[Backend], rates: list[float], flights: list[int], qcap: int, pin: int,
-        home: str, limit: float, roomy: bool = False,
-    ) -> Backend | None:
-        """Where a small tenant moves: a replica that stays below `limit` with the tenant's traffic
-        added, preferring one with room for another prompt (fewest tenants), then the least loaded;
-        `roomy`: only one with room."""
+    # -- packing repair ---------------------------------------------------------------------------
+    async def _repair(self, candidates: Sequence[Backend], now: float) -> None:
+        """Every `rebalance_interval_s`, apply `_plan`'s move or swap. With Redis only one proxy
+        plans (it holds a lease while it lives, so one estimate of the tenants' shares decides and
+        proxies never undo each other's moves), through compare-and-set on the shared table."""
+        cfg = self.config
+        self._next_repair = now + cfg.rebalance_interval_s
+        shared = self.shared
+        if not self._warm(now) or (shared is not None and not shared.up):
+            return
+        if shared is not None and not await shared.lease("repair", 3 * cfg.rebalance_interval_s):
+            return
+        plan = self._plan(candidates, now)
+        for pin, old, new in plan:
+            if shared is None:
+                self._set(pin, new, now)
+            elif await shared.grow(pin, old, new) is not None:
+                self._changed[pin] = now
+                self._epoch += 1
+
+    def _plan(self, candidates: Sequence[Backend], now: float) -> list[tuple[int, tuple[str], tuple[str]]]:
+        """The move of a single-replica tenant, or its swap with one of the target, that saves the
+        most cost (see _ROOM_COST), if enough. Tenants on several replicas are never moved here:
+        their traffic fills their least loaded members (new conversations go there, see _choose),
+        so they absorb imbalance."""
         n = len(candidates)
-        counts = self._tenant_counts()
-        slots = math.ceil(sum(counts.get(b.name, 0) for b in candidates) / n)
-        add = self._share(pin) * sum(rates) + 1
-        best, best_key = None, None
-        for i, backend in enumerate(candidates):
-            if backend.name == home or rates[i] + add > limit or flights[i] + 1 > qcap:
+        where = {b.name: i for i, b in enumerate(candidates)}
+        counts, fixed = [0] * n, [0.0] * n
+        flex: list[tuple[float, list[int]]] = []
+        singles: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+        hold = now - self.config.move_after_s
+        for pin, (members, stamp) in self.pins.items():
+            inside = [where[m] for m in members if m in where]
+            if not inside:
                 continue
-            count = counts.get(backend.name, 0)
-            if roomy and count + 1 >= slots:
+            share = self._share(pin)
+            for i in inside:
+                counts[i] += 1
+            if len(inside) > 1:
+                flex.append((share, inside))
                 continue
-            k = (count + 1 > slots, count, rates[i])
-            if best_key is None or k < best_key:
-                best, best_key = backend, k
-        return best
+            fixed[inside[0]] += share
+            if len(members) == 1 and max(stamp, self._changed.get(pin, 0.0)) < hold:
+                singles[inside[0]].append((share, pin))
+        flex.sort(reverse=True)
+        even = sum(counts) / n
+        caps = [min(self._capacity(b, even), even) for b in candidates]
+        target = (1.0 + self.config.epsilon / 2) / n
+
+        def spread(fixed: list[float]) -> list[float]:
+            loads = list(fixed)
+            for share, inside in flex:  # water-fill the tenant's traffic into its members
+                levels = sorted(loads[i] for i in inside)
+                k, level = 1, levels[0] + share
+                while k < len(levels) and level > levels[k]:
+                    k += 1
+                    level = (sum(levels[:k]) + share) / k
+                for i in inside:
+                    loads[i] = max(loads[i], level)
+            return loads
+
+        def costs(counts: list[int], loads: list[float]) -> list[float]:
+            return [_ROOM_COST * max(0.0, counts[i] - caps[i]) ** 2 + _LOAD_WEIGHT * max(0.0, loads[i] - target)
+                    for i in range(n)]
+
+        loads = spread(fixed)
+        now_costs = costs(counts, loads)
+        for side in singles:
+            side.sort()
+
+        def options():
+            """Moves out of the costliest replicas first, each also as swaps with the tenants of
+            the target whose shares come closest to evening out the two replicas' traffic."""
+            for a in sorted(range(n), key=now_costs.__getitem__, reverse=True):
+                if now_costs[a] <= 0:
+                    return
+                for share, pin in singles[a]:
+                    for b in range(n):
+                        if b != a:
+                            yield ((share, pin, a, b),)
+                            at = bisect.bisect_left(singles[b], (share - (loads[a] - loads[b]) / 2,))
+                            for other, pin2 in singles[b][max(at - 1, 0):at + 1]:
+                                yield (share, pin, a, b), (other, pin2, b, a)
+
+        best: tuple = ()
+        best_cost = sum(now_costs) - _MIN_GAIN
+        for moves in itertools.islice(options(), _PLAN_BUDGET):
+            c, f = list(counts), list(fixed)
+            for share, _, a, b in moves:
+                c[a] -= 1
+                c[b] += 1
+                f[a] -= share
+                f[b] += share
+            total = sum(costs(c, spread(f))) + _MOVE_COST * len(moves)
+            if total < best_cost:
+                best, best_cost = moves, total
+        names = [b.name for b in candidates]
+        return [(pin, (names[a],), (names[b],)) for _, pin, a, b in best]
+
+    def _capacity(self, backend: Backend, default):
+        """Tenant prompts the replica's cache keeps: `cache_fill` of its size over the mean system
+        prompt, once scraped; else `default`."""
+        if backend.cache_tokens and self._prompt_chars:
+            return self.config.cache_fill * backend.cache_tokens * _CHARS_PER_TOKEN / self._prompt_chars
+        return default
 
     async def _place(self, candidates: Sequence[Backend], pin: int, chosen: Backend, now: float) -> tuple[Backend, str]:
         shared = self.shared
@@ -340,14 +443,6 @@ class PrefixAffinity:
             return
         if self._share(pin) * n < (len(members) - 1) * self.config.grow_fill * 0.75:
             self._set(pin, members[:-1], now)
-
-    def _may_move(self, pin: int, n: int, now: float) -> bool:
-        """Known to be small (at most half a replica's traffic, after warm-up) and not moved lately."""
-        cfg = self.config
-        changed = max(self._changed.setdefault(pin, now), self.pins.get(pin, ((), 0.0))[1])
-        if now - changed < cfg.move_after_s or not self._warm(now):
-            return False
-        return self._share(pin) * n <= 0.5
 
     def _warm(self, now: float) -> bool:
         """Enough traffic over all proxies (and some here) for the tenants' shares to mean something."""

@@ -14,7 +14,7 @@ class Backend:
     __slots__ = (
         "name", "salt", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "headers",
         "adapter_in_flight", "adapter_used", "adapter_epoch", "adapter_ops",
-        "origin", "heads", "errors_in_row", "ejections", "ejected_until", "limit",
+        "origin", "heads", "errors_in_row", "ejections", "ejected_until", "limit", "cache_tokens",
     )
 
     def __init__(self, config: BackendConfig) -> None:
@@ -52,6 +52,8 @@ class Backend:
         self.ejections = 0
         self.ejected_until = 0.0
         self.limit = config.max_in_flight or 1 << 30
+        # prefix-cache size (num_gpu_blocks x block_size) from its /metrics; None until scraped
+        self.cache_tokens: int | None = None
 
     async def fetch(self, session, path: str, timeout_s: float) -> bytes:
         """GET a control-plane path (`/v1/models`, `/metrics`) with the replica's key; the body of

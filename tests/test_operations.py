@@ -123,16 +123,21 @@ def test_sigterm_drains_live_streams(servers: Servers, tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     write(path, base_config(free_port(), sim))
     proxy = ProxyProcess(path)
+    sigterm_drains_streams(proxy, sim, MODEL, 50)
+
+
+def sigterm_drains_streams(proxy: ProxyProcess, sim, model: str, n: int) -> None:
+    """`n` live streams, then SIGTERM to the proxy process: every stream ends whole, exit 0."""
     results: list = []
-    threads = [threading.Thread(target=stream, args=(proxy.url, MODEL, results, 30)) for _ in range(50)]
+    threads = [threading.Thread(target=stream, args=(proxy.url, model, results, 30)) for _ in range(n)]
     for t in threads:
         t.start()
-    assert eventually(lambda: sim.server.config.app.stats()["running"] == 50, timeout=10)
+    assert eventually(lambda: sim.server.config.app.stats()["running"] == n, timeout=10)
     proxy.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(timeout=30)
     assert proxy.proc.wait(timeout=30) == 0
-    assert len(results) == 50 and all(r == (200, True) for r in results), results[:3]
+    assert len(results) == n and all(r == (200, True) for r in results), results[:3]
 
 
 def worker_pids(supervisor: int) -> set[int]:
@@ -172,16 +177,7 @@ def test_workers_supervisor_restarts_reloads_and_drains(servers: Servers, tmp_pa
         assert eventually(renamed_everywhere, timeout=10)
         assert worker_pids(proxy.proc.pid) == workers and proxy.proc.poll() is None
         # SIGTERM to the supervisor alone: both workers drain their live streams, exit 0
-        results: list = []
-        threads = [threading.Thread(target=stream, args=(proxy.url, "renamed", results, 30)) for _ in range(20)]
-        for t in threads:
-            t.start()
-        assert eventually(lambda: sim.server.config.app.stats()["running"] == 20, timeout=10)
-        proxy.proc.send_signal(signal.SIGTERM)
-        for t in threads:
-            t.join(timeout=30)
-        assert proxy.proc.wait(timeout=30) == 0
-        assert len(results) == 20 and all(r == (200, True) for r in results), results[:3]
+        sigterm_drains_streams(proxy, sim, "renamed", 20)
     finally:
         for pid in worker_pids(proxy.proc.pid) if proxy.proc.poll() is None else ():
             os.kill(pid, signal.SIGKILL)

@@ -119,7 +119,7 @@ class LeanCycle:
         self.gone = False
         self._waiter: asyncio.Future | None = None
         self._started = False
-        self._head: list[bytes] | None = None  # the response head, until the first body bytes take it
+        self._head: list[bytes] | None = None  # a plain response's head, sent with its body
         self._chunked = False
 
     # -- what uvicorn's protocol calls on its cycle (connection_lost, shutdown) ------------------
@@ -157,24 +157,11 @@ class LeanCycle:
         except BaseException as exc:  # noqa: BLE001 - the app's bug must not kill the connection silently
             if not isinstance(exc, asyncio.CancelledError):
                 log.error("exception in the request handler", exc_info=exc)
-            if not self._started and not self.disconnected:
-                err = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
-                self.keep_alive = False
-                await self.send({"type": "http.response.start", "status": 500,
-                                 "headers": [(b"content-type", b"application/json")]})
-                await self.send({"type": "http.response.body", "body": err.body()})
-            elif not self.response_complete:
-                self.transport.close()
-        else:  # the app returned without finishing its response: never leave the client waiting
+            await self._finish_for_the_app()
+        else:
             if not self._started and not self.disconnected:
                 log.error("the request handler returned without a response")
-                self.keep_alive = False
-                err = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
-                await self.send({"type": "http.response.start", "status": 500,
-                                 "headers": [(b"content-type", b"application/json")]})
-                await self.send({"type": "http.response.body", "body": err.body()})
-            elif not self.response_complete:
-                self.transport.close()
+            await self._finish_for_the_app()
         finally:
             # Leave no reference cycle behind (protocol <-> cycle, scope[DISCONNECT] <-> cycle,
             # task -> coroutine -> cycle): per-request garbage that only the cyclic collector
@@ -185,6 +172,18 @@ class LeanCycle:
             self.protocol = None  # type: ignore[assignment]
             self.scope = None  # type: ignore[assignment]
             self.task = None
+
+    async def _finish_for_the_app(self) -> None:
+        """After the app: a response it never started is a 500, one it left unfinished is cut off,
+        so a client is never left waiting."""
+        if not self._started and not self.disconnected:
+            err = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
+            self.keep_alive = False
+            await self.send({"type": "http.response.start", "status": 500,
+                             "headers": [(b"content-type", b"application/json")]})
+            await self.send({"type": "http.response.body", "body": err.body()})
+        elif not self.response_complete:
+            self.transport.close()
 
     async def receive(self) -> dict:
         if self.more_body or self.body or not self.delivered:

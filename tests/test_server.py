@@ -195,3 +195,20 @@ def test_stream_head_is_sent_before_the_first_token_and_responses_carry_date(ser
     assert head_after < 0.5 < token_after, (head_after, token_after)  # headers did not wait for prefill
     assert "date" in headers and headers["content-type"].startswith("text/event-stream")
     sock.close()
+
+
+def test_a_handler_that_forgets_to_answer_gets_a_500_not_a_hang() -> None:
+    from proxy.server import ProxyProtocol
+    from tests.support import ServerThread
+
+    async def forgetful(scope, receive, send) -> None:
+        if scope["type"] == "http":
+            await receive()  # reads the body, returns without a response
+
+    with ServerThread(forgetful, http=ProxyProtocol, lifespan="off") as server:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        sock.sendall(request(chat_body()))
+        status, headers, body = read_response(sock.makefile("rb"))
+        assert status == 500 and orjson.loads(body)["error"]["type"] == "server_error"
+        assert headers.get("connection") == "close"
+        sock.close()

@@ -133,15 +133,14 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     except asyncio.CancelledError:
         if watch is None or not watch.gone:
             raise
-        deployment = route.name if route is not None else "unknown"
+        deployment = _unrouted(rt, request_id, endpoint, route, CLIENT_CLOSED, started)
         metrics.child(metrics.disconnects, deployment, "before_first_byte").inc()
-        _unrouted(rt, request_id, endpoint, deployment, CLIENT_CLOSED, started)
         return
     except ProxyError as err:
         if watch is not None:
             watch.stop()
         await send_error(send, err, id_header)
-        _unrouted(rt, request_id, endpoint, route.name if route is not None else "unknown", str(err.status), started)
+        _unrouted(rt, request_id, endpoint, route, str(err.status), started)
         return
 
     if route.rewrite or changed:
@@ -192,12 +191,14 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
                      ttft, overhead, progress.tail if parsed.stream else progress.body)
 
 
-def _unrouted(rt: Runtime, request_id: str, endpoint: str, deployment: str, status: str, started: float) -> None:
-    """Count (and log) a request that ended before reaching a replica."""
+def _unrouted(rt: Runtime, request_id: str, endpoint: str, route: Route | None, status: str, started: float) -> str:
+    """Count (and log) a request that ended before reaching a replica; returns its deployment label."""
+    deployment = route.name if route is not None else "unknown"
     metrics = rt.metrics
     metrics.child(metrics.requests, deployment, "none", endpoint, status).inc()
     if rt.access is not None and rt.access.wanted():
         rt.access.write(request_id, endpoint, deployment, "none", None, status, False, time.perf_counter() - started)
+    return deployment
 
 
 async def _attempt(

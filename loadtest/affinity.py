@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.affinity", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
-    add("--shape", default="strong,weak", help=f"comma list of {', '.join(SHAPES)} (tenants, skew): "
+    add("--shape", default="strong,weak", help=f"comma list of {', '.join(SHAPES)} (tenants, skew, cache factor): "
         + "; ".join(f"{k}={v}" for k, v in SHAPES.items()))
     add("--tenants", type=int, help="override the shape's tenant count")
     add("--skew", type=float, help="override the shape's Zipf exponent of tenant popularity")
@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--policies", default="round_robin,least_loaded,prefix_affinity")
     add("--proxies", default="1,3", help="router instances per cell (comma list)")
     add("--replicas", type=int, default=4)
-    add("--fleet-cache-factor", type=float, default=1.2,
-        help="fleet prefix-cache blocks / all tenants' system-prompt blocks")
+    add("--fleet-cache-factor", type=float,
+        help="fleet prefix-cache blocks / all tenants' system-prompt blocks (default: the shape's)")
     add("--num-gpu-blocks", type=int, help="per-replica cache blocks (default: from --fleet-cache-factor)")
     add("--block-size", type=int, default=16)
     add("--prefill-ms-per-token", type=float, default=0.05)
@@ -84,16 +84,17 @@ def build_shape(name: str, args: argparse.Namespace) -> tuple[Workload, dict]:
     """The shape's workload and a fleet cache sized from it."""
     if name not in SHAPES:
         raise SystemExit(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
-    tenants, skew = SHAPES[name]
+    tenants, skew, factor = SHAPES[name]
+    factor = args.fleet_cache_factor or factor
     spec = WorkloadSpec(tenants=args.tenants or tenants, skew=args.skew if args.skew is not None else skew,
                         system_chars=args.system_chars, user_chars=args.user_chars, multi_turn=args.multi_turn,
                         max_turns=args.max_turns, requests=args.requests, max_tokens=args.max_tokens, seed=args.seed)
     workload = generate(spec)
     blocks = system_blocks(workload, args.block_size)
     total = sum(blocks)
-    per_replica = args.num_gpu_blocks or math.ceil(args.fleet_cache_factor * total / args.replicas)
+    per_replica = args.num_gpu_blocks or math.ceil(factor * total / args.replicas)
     tokens = prompt_tokens(workload)
-    sizing = {"tenants": spec.tenants, "skew": spec.skew, "system_blocks_per_tenant": round(total / spec.tenants, 1),
+    sizing = {"tenants": spec.tenants, "skew": spec.skew, "fleet_cache_factor": factor, "system_blocks_per_tenant": round(total / spec.tenants, 1),
               "system_blocks_total": total, "blocks_per_replica": per_replica,
               "fleet_blocks": per_replica * args.replicas,
               "tenants_per_replica": round(per_replica / (total / spec.tenants), 1),
@@ -149,6 +150,7 @@ def run_cell(shape: str, workload: Workload, sizing: dict, policy: str, routers:
     bound = pooled_hit_rate(bodies, model=spec.model, block_size=args.block_size, num_blocks=sizing["fleet_blocks"])
     hit_rate = hits / queries if queries else 0.0
     mean = statistics.mean(requests) if requests else 0.0
+    quarters = quarter_shares(load.sent_order, load.cached, bound["per_request"])
     return {
         "shape": shape, "policy": policy, "routers": routers, "hit_rate": hit_rate, "bound": bound["hit_rate"],
         "share_of_bound": hit_rate / bound["hit_rate"] if bound["hit_rate"] else float("nan"),
@@ -157,8 +159,25 @@ def run_cell(shape: str, workload: Workload, sizing: dict, policy: str, routers:
         "wall_s": load.wall_s, "errors": load.errors, "error_samples": load.error_samples,
         "reply_mismatches": load.reply_mismatches, "routes": load.routes,
         "evictions": sum(d["evictions"] for d in delta), "bound_evictions": bound["evictions"],
-        "sent": len(load.sent_order),
+        "sent": len(load.sent_order), "quarter_shares": quarters,
+        "trace": [(i, *load.served.get(i, ("", "")), *load.cached.get(i, (0, 0)), *bound["per_request"][k])
+                  for k, i in enumerate(load.sent_order)],
     }
+
+
+def quarter_shares(sent_order: list[int], cached: dict[int, tuple[int, int]],
+                   pooled: list[tuple[int, int]], parts: int = 4) -> list[float]:
+    """Share of the bound in each quarter of the run (by send order), from the cached-token counts
+    the replicas report per request (usage.prompt_tokens_details): warm-up against steady state."""
+    n = len(sent_order)
+    shares = []
+    for p in range(parts):
+        lo, hi = p * n // parts, (p + 1) * n // parts
+        mine = [cached.get(sent_order[k], (0, 0)) for k in range(lo, hi)]
+        hit = sum(h for h, _ in mine) / max(sum(q for _, q in mine), 1)
+        best = sum(h for h, _ in pooled[lo:hi]) / max(sum(q for _, q in pooled[lo:hi]), 1)
+        shares.append(hit / best if best else float("nan"))
+    return shares
 
 
 def print_table(cells: list[dict]) -> None:
@@ -224,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(cell)
                 print(f"  {policy} x{routers}: hit {cell['hit_rate']:.3f} / bound {cell['bound']:.3f} = "
                       f"{cell['share_of_bound']:.3f}, max/mean {cell['max_over_mean']:.2f}, "
-                      f"TTFT p50 {cell['ttft_p50_ms']:.1f} ms, {cell['wall_s']:.1f} s, {cell['errors']} errors",
+                      f"TTFT p50 {cell['ttft_p50_ms']:.1f} ms, {cell['wall_s']:.1f} s, {cell['errors']} errors; "
+                      f"share by quarter {' '.join(f'{q:.3f}' for q in cell['quarter_shares'])}",
                       flush=True)
     print()
     print_table(cells)

@@ -28,6 +28,8 @@ class LoadResult:
     error_samples: list[str] = field(default_factory=list)
     reply_mismatches: int = 0  # streamed text differs from the sim reply the workload assumed
     routes: dict[str, int] = field(default_factory=dict)  # x-vllm-proxy-route reason -> count
+    cached: dict[int, tuple[int, int]] = field(default_factory=dict)  # turn -> (cached, prompt) tokens, from usage
+    served: dict[int, tuple[str, str]] = field(default_factory=dict)  # turn -> (backend, route reason) headers
     wall_s: float = 0.0
 
     def fail(self, message: str) -> None:
@@ -36,7 +38,8 @@ class LoadResult:
             self.error_samples.append(message)
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: bytes, expected: str, out: LoadResult) -> None:
+async def _one(session: aiohttp.ClientSession, url: str, body: bytes, expected: str, out: LoadResult,
+               index: int) -> None:
     start = time.perf_counter()
     ttft = None
     pieces: list[str] = []
@@ -47,6 +50,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, expected: 
                 out.fail(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                 return
             reason = resp.headers.get("x-vllm-proxy-route")
+            out.served[index] = (resp.headers.get("x-vllm-proxy-backend", ""), reason or "")
             if reason is not None:
                 key = reason.split(":", 1)[0]
                 out.routes[key] = out.routes.get(key, 0) + 1
@@ -61,6 +65,10 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, expected: 
                 if "error" in event:
                     out.fail(f"stream error: {payload[:200]!r}")
                     return
+                usage = event.get("usage")
+                if usage:
+                    details = usage.get("prompt_tokens_details") or {}
+                    out.cached[index] = (details.get("cached_tokens") or 0, usage.get("prompt_tokens") or 0)
                 for choice in event.get("choices") or ():
                     text = (choice.get("delta") or {}).get("content")
                     if text:
@@ -99,7 +107,7 @@ async def run_load(workload: Workload, routers: list[str], concurrency: int, tim
                     await completed[turn.after].wait()
                 seq = len(out.sent_order)
                 out.sent_order.append(i)
-                await _one(session, urls[seq % len(urls)], bodies[i], turn.reply, out)
+                await _one(session, urls[seq % len(urls)], bodies[i], turn.reply, out, i)
             finally:
                 completed[i].set()
 

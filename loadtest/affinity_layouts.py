@@ -7,7 +7,7 @@ replica's size); the result is compared with the pooled bound (one cache of the 
 No timing, no concurrency: the best case for that layout.
 
     python -m loadtest.affinity_layouts "0,7,10|0,6,11|1,4,8|2,3,5,9"   # tenants per replica
-    python -m loadtest.affinity_layouts --fleet-cache-factor 2.0 "0,7,10|0,6,11|1,4,8|2,3,5,9"
+    python -m loadtest.affinity_layouts --shape tight "0,7,10|0,6,11|1,4,8|2,3,5,9"
 
 A tenant listed on several replicas is split over them. Takes the knobs of loadtest.affinity.
 """

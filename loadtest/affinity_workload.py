@@ -18,8 +18,12 @@ from proxy.sim.config import SimConfig
 from proxy.sim.models import Models
 from proxy.sim.tokenizer import render_chat
 
-# name -> (tenants, skew): few hot tenants vs a long, flat tail
-SHAPES = {"strong": (12, 1.2), "weak": (80, 0.6)}
+# name -> (tenants, skew, fleet cache factor): few hot tenants vs a long, flat tail. The factor is
+# the fleet's prefix cache over all tenants' system prompts: each replica holds 2.0/4 = half of the
+# prompts (strong) or 1.2/4 = 30 % (weak). "tight" is the strong shape in the weak shape's caches:
+# there its top tenant (39 % of traffic) must sit on two replicas whose caches hold ~3.6 prompts
+# each, and no fixed layout gets above ~0.92 of the pooled bound (loadtest.affinity_layouts).
+SHAPES = {"strong": (12, 1.2, 2.0), "weak": (80, 0.6, 1.2), "tight": (12, 1.2, 1.2)}
 
 
 @dataclass
@@ -52,7 +56,7 @@ class Turn:
 
     def body(self, spec: WorkloadSpec) -> dict:
         return {"model": spec.model, "messages": self.messages, "max_tokens": spec.max_tokens,
-                "stream": True}
+                "stream": True, "stream_options": {"include_usage": True}}
 
 
 @dataclass

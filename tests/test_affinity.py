@@ -14,6 +14,7 @@ from proxy.parse import CHAT, parse_request
 from proxy.prefix import prefix_key
 from proxy.routing.affinity import PrefixAffinity
 from proxy.routing.backends import Backend
+from proxy.routing.packing import Layout, Packing
 from proxy.routing.catalog import Route
 from tests.conftest import MODEL, Servers, eventually, sim_of
 
@@ -108,9 +109,9 @@ def test_packing_repair_moves_a_tenant_out_of_a_crowded_cache() -> None:
     policy.tenant_rate.add(None, now, 1.0)
     policy._prompt_chars = 40_000.0  # 10 k tokens: 6.5 prompts fit, more than an even spread (2)
     plan = policy._plan(bs, now)
-    assert len(plan) == 1 and plan[0][1] == ("gpu-2",) and plan[0][2] in (("gpu-0",), ("gpu-1",))
-    pin, _, new = plan[0]
-    policy.pins[pin] = (new, now - 10)
+    assert plan and all(old == ("gpu-2",) and new in (("gpu-0",), ("gpu-1",)) for _, old, new in plan)
+    for pin, _, new in plan:
+        policy.pins[pin] = (new, now - 10)
     for _ in range(3):
         for pin, old, new in policy._plan(bs, now):
             policy.pins[pin] = (new, now - 10)
@@ -236,3 +237,22 @@ def test_placements_survive_a_redis_restart(redis_db) -> None:
     table = {int(k, 16): parse_pin(v.decode())[0] for k, v in redis_db.hgetall(PINS_KEY).items()}
     assert table == {42: ("gpu-0", "gpu-1"), 7: ("gpu-2",)}
     assert redis_db.get("vp:pins:v") is not None  # bumped: every proxy re-reads the table
+
+
+def test_packing_looks_two_changes_deep() -> None:
+    """A layout seen live (factor-2 caches, one hot tenant on two replicas): replica 2 holds two
+    prompts, two others four. No single move helps (any tenant moved onto the hot pair pushes its
+    traffic over the target), but moving a light tenant in and a heavier one out does; replaying
+    the two layouts through the sim (loadtest.affinity_layouts) gave 0.973 and 0.984 of the bound."""
+    requests = {0: 1174, 1: 509, 2: 309, 3: 204, 4: 172, 5: 125, 6: 111, 7: 106, 8: 82, 9: 72, 10: 61, 11: 75}
+    share = {t: r / 3000 for t, r in requests.items()}
+    layout = [[3, 8], [2, 4, 5, 7], [6], [1, 9, 10, 11]]  # plus tenant 0 on replicas 0 and 2
+    packing = Packing([3.25] * 4, [0.7] * 4, 1.05 / 4, [(share[0], [0, 2])])
+    start = Layout([3, 4, 2, 4], [sum(share[t] for t in ts) for ts in layout],
+                   [sorted((share[t], t) for t in ts) for ts in layout])
+    moves = packing.plan(start)
+    assert 2 <= len(moves) <= 4
+    counts, fixed = start.shifted(moves)
+    assert sorted(counts) == [3, 3, 3, 4]
+    assert max(packing.loads(fixed)) <= 1.05 / 4
+    assert sum(packing.costs(counts, fixed)) < sum(packing.costs(start.counts, start.fixed)) / 2

@@ -39,8 +39,7 @@ guard against a real queue (more than ceil((1 + eps) x mean) + queue_slack in fl
 """
 from __future__ import annotations
 
-import bisect
-import itertools
+import asyncio
 import math
 import time
 from typing import Sequence
@@ -51,21 +50,12 @@ from proxy.prefix import prefix_key
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
 from proxy.routing.index import PrefixIndex
+from proxy.routing.packing import Layout, Packing
 from proxy.shared import SharedState
 
 _MASK = (1 << 64) - 1
 _RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulators past it
 _CHARS_PER_TOKEN = 4  # to size a system prompt (pin blocks x block_chars) in cache tokens
-# packing repair (`_plan`), costs in shares of all traffic: prompts a replica holds beyond its
-# cache or an even spread (its conversations need room too) cost _ROOM_COST x excess^2 (evictions
-# grow faster than the excess, and when every cache is over, an even excess is best); traffic
-# beyond (1 + eps/2) x mean counts _LOAD_WEIGHT times; a change must save _MIN_GAIN after paying
-# _MOVE_COST per tenant moved (its next conversation misses once; the estimates are noisy)
-_ROOM_COST = 0.02
-_LOAD_WEIGHT = 5.0
-_MOVE_COST = 0.002
-_MIN_GAIN = 0.005
-_PLAN_BUDGET = 1000  # candidate changes evaluated per repair (bounds its time on the request path)
 
 
 def rendezvous_weight(key: int, salt: int) -> int:
@@ -131,6 +121,7 @@ class PrefixAffinity:
         self._growing: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # (old set, new set) for _grow
         self._prompt_chars = 0.0  # request-weighted moving mean of the system prompt's size
         self._next_repair = now
+        self._repairing: asyncio.Task | None = None  # the packing repair in progress (a reference keeps it alive)
         if shared is not None:
             shared.rate_tau = config.load_window_s
             shared.local_rates = self.routed.snapshot
@@ -165,8 +156,9 @@ class PrefixAffinity:
         now = time.time()
         chars = max(key.pin_blocks, 1) * cfg.block_chars
         self._prompt_chars += (chars - self._prompt_chars) * (0.01 if self._prompt_chars else 1.0)
-        if now >= self._next_repair:
-            await self._repair(candidates, now)
+        if now >= self._next_repair:  # in the background: this request does not wait for it
+            self._next_repair = now + cfg.rebalance_interval_s
+            self._repairing = asyncio.get_running_loop().create_task(self._repair(list(candidates), now))
         chosen, reason = self._choose(candidates, key.pin, key.pin_blocks, match, now)
         if reason == "place":
             chosen, reason = await self._place(candidates, key.pin, chosen, now)
@@ -275,7 +267,6 @@ class PrefixAffinity:
         plans (it holds a lease while it lives, so one estimate of the tenants' shares decides and
         proxies never undo each other's moves), through compare-and-set on the shared table."""
         cfg = self.config
-        self._next_repair = now + cfg.rebalance_interval_s
         shared = self.shared
         if not self._warm(now) or (shared is not None and not shared.up):
             return
@@ -290,10 +281,7 @@ class PrefixAffinity:
                 self._epoch += 1
 
     def _plan(self, candidates: Sequence[Backend], now: float) -> list[tuple[int, tuple[str], tuple[str]]]:
-        """The move of a single-replica tenant, or its swap with one of the target, that saves the
-        most cost (see _ROOM_COST), if enough. Tenants on several replicas are never moved here:
-        their traffic fills their least loaded members (new conversations go there, see _choose),
-        so they absorb imbalance."""
+        """The packing repair's changes (proxy/routing/packing.py) for the current table."""
         n = len(candidates)
         where = {b.name: i for i, b in enumerate(candidates)}
         counts, fixed = [0] * n, [0.0] * n
@@ -313,60 +301,17 @@ class PrefixAffinity:
             fixed[inside[0]] += share
             if len(members) == 1 and max(stamp, self._changed.get(pin, 0.0)) < hold:
                 singles[inside[0]].append((share, pin))
-        flex.sort(reverse=True)
-        even = sum(counts) / n
-        caps = [min(self._capacity(b, even), even) for b in candidates]
-        target = (1.0 + self.config.epsilon / 2) / n
-
-        def spread(fixed: list[float]) -> list[float]:
-            loads = list(fixed)
-            for share, inside in flex:  # water-fill the tenant's traffic into its members
-                levels = sorted(loads[i] for i in inside)
-                k, level = 1, levels[0] + share
-                while k < len(levels) and level > levels[k]:
-                    k += 1
-                    level = (sum(levels[:k]) + share) / k
-                for i in inside:
-                    loads[i] = max(loads[i], level)
-            return loads
-
-        def costs(counts: list[int], loads: list[float]) -> list[float]:
-            return [_ROOM_COST * max(0.0, counts[i] - caps[i]) ** 2 + _LOAD_WEIGHT * max(0.0, loads[i] - target)
-                    for i in range(n)]
-
-        loads = spread(fixed)
-        now_costs = costs(counts, loads)
         for side in singles:
             side.sort()
-
-        def options():
-            """Moves out of the costliest replicas first, each also as swaps with the tenants of
-            the target whose shares come closest to evening out the two replicas' traffic."""
-            for a in sorted(range(n), key=now_costs.__getitem__, reverse=True):
-                if now_costs[a] <= 0:
-                    return
-                for share, pin in singles[a]:
-                    for b in range(n):
-                        if b != a:
-                            yield ((share, pin, a, b),)
-                            at = bisect.bisect_left(singles[b], (share - (loads[a] - loads[b]) / 2,))
-                            for other, pin2 in singles[b][max(at - 1, 0):at + 1]:
-                                yield (share, pin, a, b), (other, pin2, b, a)
-
-        best: tuple = ()
-        best_cost = sum(now_costs) - _MIN_GAIN
-        for moves in itertools.islice(options(), _PLAN_BUDGET):
-            c, f = list(counts), list(fixed)
-            for share, _, a, b in moves:
-                c[a] -= 1
-                c[b] += 1
-                f[a] -= share
-                f[b] += share
-            total = sum(costs(c, spread(f))) + _MOVE_COST * len(moves)
-            if total < best_cost:
-                best, best_cost = moves, total
+        # each replica's fair part of the prompts (by cache size), and how much a deviation from it
+        # matters: fully once its prompts would fill `cache_fill` of the cache, less when they fit easily
+        sizes = [b.cache_tokens or 0 for b in candidates]
+        whole = sum(sizes) if all(sizes) else 0
+        fair = [sum(counts) * (size / whole if whole else 1.0 / n) for size in sizes]
+        pressure = [min(1.0, fair[i] / max(self._capacity(b, fair[i]), 1e-9)) for i, b in enumerate(candidates)]
+        packing = Packing(fair, pressure, (1.0 + self.config.epsilon / 2) / n, flex)
         names = [b.name for b in candidates]
-        return [(pin, (names[a],), (names[b],)) for _, pin, a, b in best]
+        return [(pin, (names[a],), (names[b],)) for _, pin, a, b in packing.plan(Layout(counts, fixed, singles))]
 
     def _capacity(self, backend: Backend, default):
         """Tenant prompts the replica's cache keeps: `cache_fill` of its size over the mean system

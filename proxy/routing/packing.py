@@ -1,0 +1,133 @@
+"""The packing repair of `prefix_affinity`: which tenants to move so the caches are used evenly.
+
+Each replica's prefix cache holds its tenants' system prompts and their conversations; its hit
+rate falls fast once they outgrow it, and an under-used cache is room the fleet wastes. Replayed
+layouts (loadtest.affinity_layouts) rank by how evenly tenants spread over the caches far more
+than by small load differences. So a layout costs, per replica:
+
+    room:  _ROOM_COST x pressure x (tenants - fair part)^2   (fair part: by cache size; pressure:
+           1 once its prompts fill `cache_fill` of the cache, less while they fit easily)
+    load:  _LOAD_WEIGHT x traffic share beyond the target ((1 + eps/2) x mean)
+
+A change is a move of a single-replica tenant or a swap of two. Getting out of a crowded corner
+often needs two changes where the first alone costs more (move a heavy tenant out, then a light
+one in), so the search looks two changes deep, keeping the best few first changes (a beam).
+Tenants on several replicas are never moved: new conversations fill their least-loaded members,
+so they absorb imbalance (their traffic is water-filled into their members).
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Iterator
+
+# costs in shares of all traffic; a change must save _MIN_GAIN after paying _MOVE_COST per tenant
+# moved (its next conversation misses once; the estimates are noisy)
+_ROOM_COST = 0.02
+_LOAD_WEIGHT = 5.0
+_MOVE_COST = 0.005
+_MIN_GAIN = 0.01
+_WORK = 4000  # layouts evaluated per repair x replicas (each costs O(replicas)): bounds its time
+_BEAM = 6  # first changes explored a second step deep
+
+Move = tuple[float, int, int, int]  # (tenant share, pin, from replica, to replica)
+
+
+@dataclass
+class Layout:
+    counts: list[int]  # tenants (prompts) per replica
+    fixed: list[float]  # traffic share of its single-replica tenants
+    singles: list[list[tuple[float, int]]]  # its movable tenants (share, pin), sorted
+
+    def shifted(self, moves: tuple[Move, ...]) -> tuple[list[int], list[float]]:
+        """Tenants and fixed traffic per replica after `moves`."""
+        counts, fixed = list(self.counts), list(self.fixed)
+        for share, _, a, b in moves:
+            counts[a] -= 1
+            counts[b] += 1
+            fixed[a] -= share
+            fixed[b] += share
+        return counts, fixed
+
+    def after(self, moves: tuple[Move, ...]) -> Layout:
+        singles = list(self.singles)
+        for share, pin, a, b in moves:
+            singles[a] = [t for t in singles[a] if t[1] != pin]
+            singles[b] = sorted(singles[b] + [(share, pin)])
+        return Layout(*self.shifted(moves), singles)
+
+
+class Packing:
+    def __init__(self, fair: list[float], pressure: list[float], target: float,
+                 flex: list[tuple[float, list[int]]]) -> None:
+        self.fair, self.target = fair, target
+        self.weight = [_ROOM_COST * p for p in pressure]
+        self.flex = sorted(flex, reverse=True)  # (share, replicas) of multi-replica tenants
+        self.n = len(fair)
+
+    def loads(self, fixed: list[float]) -> list[float]:
+        loads = list(fixed)
+        for share, inside in self.flex:  # water-fill the tenant's traffic into its members
+            levels = sorted(loads[i] for i in inside)
+            k, level = 1, levels[0] + share
+            while k < len(levels) and level > levels[k]:
+                k += 1
+                level = (sum(levels[:k]) + share) / k
+            for i in inside:
+                loads[i] = max(loads[i], level)
+        return loads
+
+    def room(self, counts: list[int]) -> float:
+        return sum(w * (c - f) ** 2 for w, c, f in zip(self.weight, counts, self.fair))
+
+    def costs(self, counts: list[int], fixed: list[float]) -> list[float]:
+        loads, weight, fair, target = self.loads(fixed), self.weight, self.fair, self.target
+        return [weight[i] * (counts[i] - fair[i]) ** 2 + _LOAD_WEIGHT * max(0.0, loads[i] - target)
+                for i in range(self.n)]
+
+    def changes(self, layout: Layout) -> Iterator[tuple[Move, ...]]:
+        """Moves out of the costliest replicas first, each also as swaps with the tenants of the
+        target whose shares come closest to evening out the two replicas' traffic."""
+        costs, loads = self.costs(layout.counts, layout.fixed), self.loads(layout.fixed)
+        for a in sorted(range(self.n), key=costs.__getitem__, reverse=True):
+            if costs[a] <= 0:
+                return
+            for share, pin in layout.singles[a]:
+                for b in range(self.n):
+                    if b == a:
+                        continue
+                    yield ((share, pin, a, b),)
+                    side = layout.singles[b]
+                    at = bisect.bisect_left(side, (share - (loads[a] - loads[b]) / 2,))
+                    for other, pin2 in side[max(at - 1, 0):at + 1]:
+                        yield (share, pin, a, b), (other, pin2, b, a)
+
+    def plan(self, layout: Layout) -> tuple[Move, ...]:
+        """The change, or pair of changes, that saves the most cost, if it saves enough. The second
+        step starts from the first changes with the lowest cost, and from those that spread the
+        prompts best whatever their traffic costs (the second change may even it out)."""
+        best: tuple[Move, ...] = ()
+        best_cost = sum(self.costs(layout.counts, layout.fixed)) - _MIN_GAIN
+        first: list[tuple[float, float, int, tuple[Move, ...]]] = []
+        budget = max(_WORK // self.n, 2 * _BEAM) // 2
+        for k, moves in enumerate(itertools.islice(self.changes(layout), budget)):
+            counts, fixed = layout.shifted(moves)
+            cost = sum(self.costs(counts, fixed)) + _MOVE_COST * len(moves)
+            first.append((cost, self.room(counts), k, moves))
+            if cost < best_cost:
+                best, best_cost = moves, cost
+        beam = {k: moves for _, _, k, moves in heapq.nsmallest(_BEAM // 2, first)}
+        beam.update((k, moves) for _, _, k, moves in heapq.nsmallest(_BEAM // 2, first, key=lambda f: (round(f[1], 9), f[0])))
+        for moves in beam.values():  # (empty when nothing is movable)
+            step = layout.after(moves)
+            done = {m[1] for m in moves}
+            for more in itertools.islice(self.changes(step), budget // len(beam)):
+                if any(m[1] in done for m in more):
+                    continue
+                both = moves + more
+                cost = sum(self.costs(*step.shifted(more))) + _MOVE_COST * len(both)
+                if cost < best_cost:
+                    best, best_cost = both, cost
+        return best

@@ -12,8 +12,9 @@ client-side TTFT and errors.
     python -m loadtest.affinity --quick
     python -m loadtest.affinity --policies round_robin,sglang:cache_aware --proxies 1,3 --json out.json
 
-Policies: our proxy's `routing.policy` values (a policy `python -m proxy check` rejects is
-skipped with its message), or `sglang:<policy>` / `vllm-router:<policy>` for peer routers
+Policies: our proxy's `routing.policy` values, optionally with knobs of the policy's YAML section
+to compare variants side by side (`prefix_affinity+rebalance_interval_s=1+move_after_s=1`; a
+policy `python -m proxy check` rejects is skipped with its message), or `sglang:<policy>` / `vllm-router:<policy>` for peer routers
 installed in --peers-venv.
 """
 from __future__ import annotations

@@ -128,9 +128,13 @@ class Fleet:
 
 
 def proxy_config(port: int, replicas: list[str], policy: str, redis_url: str) -> str:
+    """`policy` may carry knobs of its YAML section: "prefix_affinity+move_after_s=5+epsilon=0.2"."""
+    name, *knobs = policy.split("+")
+    section = ", ".join(k.replace("=", ": ", 1) for k in knobs)
+    routing = f"{{policy: {name}, {name}: {{{section}}}}}" if knobs else f"{{policy: {name}}}"
     backends = "".join(f'  - {{name: r{i}, url: "{u}"}}\n' for i, u in enumerate(replicas))
     return (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n{backends}"
-            f"routing: {{policy: {policy}}}\nredis: {{url: \"{redis_url}\"}}\n")
+            f"routing: {routing}\nredis: {{url: \"{redis_url}\"}}\n")
 
 
 def check_policy(policy: str, tmp: Path, redis_url: str) -> str | None:

@@ -167,6 +167,10 @@ class AffinityConfig(Strict):
         0.65, gt=0, le=1, description="share of a replica's prefix cache (vllm:cache_config_info) that tenants' "
         "system prompts (sized at 4 characters a token) may fill; the rest holds conversations"
     )
+    max_tenants: int = Field(
+        100_000, ge=16, description="tenants (distinct system prompts) this proxy keeps placements and rates for: "
+        "beyond it the least recently used are forgotten (clients must not grow its memory without bound)"
+    )
     rebalance_interval_s: float = Field(
         2.0, gt=0, description="period of the packing repair: one proxy moves or swaps at most one tenant per period "
         "when a replica holds more prompts than its cache or an even spread, or traffic beyond (1+eps/2) x mean"

@@ -256,3 +256,15 @@ def test_packing_looks_two_changes_deep() -> None:
     assert sorted(counts) == [3, 3, 3, 4]
     assert max(packing.loads(fixed)) <= 1.05 / 4
     assert sum(packing.costs(counts, fixed)) < sum(packing.costs(start.counts, start.fixed)) / 2
+
+
+def test_distinct_system_prompts_do_not_grow_memory_without_bound() -> None:
+    """Every distinct system prompt is a tenant: a client sending new ones forever must not grow
+    the placement and rate tables past `max_tenants` (+10 %), and routing keeps working."""
+    bs = backends(4)
+    policy = PrefixAffinity(AffinityConfig(max_tenants=200))
+    for i in range(1500):
+        name, reason = pick(policy, bs, chat_request(f"unique system prompt {i} " * 30, "hi"))
+        assert name in {b.name for b in bs}
+        assert len(policy.pins) <= 220 and len(policy.tenant_rate.scaled) <= 221 and len(policy._changed) <= 220
+    assert pick(policy, bs, chat_request("unique system prompt 1499 " * 30, "again"))[1] in ("pinned", "prefix-hit")

@@ -56,6 +56,8 @@ from proxy.shared import SharedState
 _MASK = (1 << 64) - 1
 _RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulators past it
 _CHARS_PER_TOKEN = 4  # to size a system prompt (pin blocks x block_chars) in cache tokens
+_SPILL_REPAIR_S = 0.25  # a spill brings the packing repair forward to at most this far away
+_GROW_SIGMAS = 2.5  # a set grows on the lower confidence bound of the tenant's share (binomial)
 
 
 def rendezvous_weight(key: int, salt: int) -> int:
@@ -113,6 +115,7 @@ class PrefixAffinity:
         self.tenant_rate = DecayedCounts(config.load_window_s, now)  # per pin, and None = all requests
         self.pins: dict[int, tuple[tuple[str, ...], float]] = shared.pins if shared is not None else {}
         self._changed: dict[int, float] = {}  # pin -> when its set last changed (as seen here)
+        self._forget_at = min(1024, config.max_tenants)  # rate-table size that triggers `_forget`
         self._epoch = 0  # bumped on every local table change
         self._counts: dict[str, int] = {}  # tenants per replica, cached for `_counts_version`
         self._counts_version: tuple = ()
@@ -168,6 +171,8 @@ class PrefixAffinity:
         up = self.tenant_rate.factor(now)
         self.tenant_rate.add(key.pin, now, up)
         self.tenant_rate.add(None, now, up)
+        if len(self.tenant_rate.scaled) > self._forget_at:
+            self._forget(now)
         stale = self.index.record(key.chain, chosen.name, time.monotonic(), cfg.shared_ttl_s)
         if shared is not None and stale:
             shared.remember(stale, chosen.name)
@@ -218,7 +223,9 @@ class PrefixAffinity:
         # looser (continuation) bound, beyond that single requests spill without changing its set.
         if present and not self._may_grow(pin, len(members), n):
             other = self._best(candidates, rates, flights, cap, qcap, pin, members, grow=True)
-            hard = cap + cfg.continuation_slack * mean
+            # before warm-up ends (shares unknown) only a real queue makes it spill: a spilled
+            # conversation copies the prompt elsewhere and its later turns stay there
+            hard = cap + cfg.continuation_slack * mean if self._warm(now) else math.inf
             for name in members:
                 for i, backend in enumerate(candidates):
                     if backend.name == name:
@@ -227,6 +234,9 @@ class PrefixAffinity:
                         break
             if best >= 0:
                 return candidates[best], "pinned"
+            # a spilled conversation copies the prompt and stays where it went: the packing
+            # repair should look at this soon rather than at its next period
+            self._next_repair = min(self._next_repair, now + _SPILL_REPAIR_S)
             return other, "spill"
         # every member is over the bound (or gone): grow the set by the best other replica
         chosen = self._best(candidates, rates, flights, cap, qcap, pin, members, grow=present > 0)
@@ -389,6 +399,24 @@ class PrefixAffinity:
         if self._share(pin) * n < (len(members) - 1) * self.config.grow_fill * 0.75:
             self._set(pin, members[:-1], now)
 
+    def _forget(self, now: float) -> None:
+        """Bound the per-tenant tables, which grow with every distinct system prompt a client
+        sends: drop expired placements (the Redis mirror expires its own) and, beyond
+        `max_tenants`, the stalest (a used placement is rewritten every shared_ttl_s / 2); then the rates and stamps of tenants not placed.
+        Amortised: runs again only once the rate table has doubled (capped just above the limit)."""
+        cfg, pins = self.config, self.pins
+        if self.shared is None:
+            for pin in [p for p, (_, stamp) in pins.items() if now - stamp > cfg.shared_ttl_s]:
+                del pins[pin]
+        if len(pins) > cfg.max_tenants:
+            for pin, _ in sorted(pins.items(), key=lambda kv: kv[1][1])[:len(pins) - cfg.max_tenants * 9 // 10]:
+                del pins[pin]
+        self._changed = {p: t for p, t in self._changed.items() if p in pins}
+        rates = self.tenant_rate.scaled
+        self.tenant_rate.scaled = {k: v for k, v in rates.items() if k is None or k in pins}
+        self._epoch += 1
+        self._forget_at = min(max(2 * len(self.tenant_rate.scaled), 1024), cfg.max_tenants * 11 // 10)
+
     def _warm(self, now: float) -> bool:
         """Enough traffic over all proxies (and some here) for the tenants' shares to mean something."""
         local = self.tenant_rate.scaled.get(None, 0.0) / self.tenant_rate.factor(now)
@@ -396,10 +424,16 @@ class PrefixAffinity:
         return self._fleet_rate >= need and local >= need / 4
 
     def _may_grow(self, pin: int, size: int, n: int) -> bool:
-        """Enough history, and the tenant alone nearly fills the replicas it has."""
+        """Enough history, and the tenant alone nearly fills the replicas it has, even at the low
+        end of what its share could be: estimated from this proxy's requests (a third of them
+        with three proxies), a 10 % tenant often looks like 25 % early on, and a needless copy of
+        its prompt costs every replica involved cache room for good."""
         if not self._warm(time.time()):
             return False
-        return self._share(pin) * n >= size * self.config.grow_fill
+        share = self._share(pin)
+        seen = self.tenant_rate.scaled.get(None, 0.0) / self.tenant_rate.factor(time.time())
+        low = share - _GROW_SIGMAS * math.sqrt(share * (1.0 - share) / max(seen, 1.0))
+        return low * n >= size * self.config.grow_fill
 
     def _share(self, pin: int) -> float:
         """This tenant's share of the requests routed here (decayed)."""

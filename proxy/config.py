@@ -155,7 +155,8 @@ class AffinityConfig(Strict):
         "its replicas take at the mean (smaller tenants stay put and spill single requests instead)"
     )
     grow_min_requests: float = Field(
-        64.0, ge=0, description="no replica set grows before this proxy has routed this many (decayed) requests"
+        64.0, ge=0, description="no replica set grows, and no tenant spills short of a real queue, before this "
+        "proxy has routed this many (decayed) requests"
     )
     move_after_s: float = Field(
         2.0, ge=0, description="a tenant the packing repair moved stays put at least this long"
@@ -165,15 +166,17 @@ class AffinityConfig(Strict):
     )
     cache_fill: float = Field(
         0.65, gt=0, le=1, description="share of a replica's prefix cache (vllm:cache_config_info) that tenants' "
-        "system prompts (sized at 4 characters a token) may fill; the rest holds conversations"
+        "system prompts (sized at 4 characters a token) may fill before their spread over the caches fully "
+        "matters to the packing repair; the rest holds conversations"
     )
     max_tenants: int = Field(
         100_000, ge=16, description="tenants (distinct system prompts) this proxy keeps placements and rates for: "
         "beyond it the least recently used are forgotten (clients must not grow its memory without bound)"
     )
     rebalance_interval_s: float = Field(
-        2.0, gt=0, description="period of the packing repair: one proxy moves or swaps at most one tenant per period "
-        "when a replica holds more prompts than its cache or an even spread, or traffic beyond (1+eps/2) x mean"
+        2.0, gt=0, description="period of the packing repair (proxy/routing/packing.py): one proxy makes at most "
+        "two changes (a move or a swap each) per period, evening out the system prompts per cache within the "
+        "traffic target (1+eps/2) x mean"
     )
 
 

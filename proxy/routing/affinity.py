@@ -8,27 +8,27 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    to the least-loaded member under the bound, so a hot tenant's traffic is shared by replicas
    that all hold its prompt instead of spilling to arbitrary ones.
 3. When every member is over the bound, the set **grows** (by the replica with the least load
-   and the fewest tenants) only if the tenant's own traffic needs it (share x N >= grow_fill x
-   set size) and the fleet is past warm-up (`grow_min_requests`); with Redis the growth is a
-   compare-and-set on the shared table, so proxies growing one tenant at once agree. A smaller
-   tenant instead stays up to the looser (continuation) bound, else spills that one request
-   (step 5 re-homes it). When the tenant cools (its traffic would fit in one replica less, for
-   `cool_down_s`) the last member is dropped.
+   and the fewest tenants) only if the tenant's own traffic needs it (the lower confidence bound
+   of its share x N >= grow_fill x set size) and the fleet is past warm-up (`grow_min_requests`);
+   with Redis the growth is a compare-and-set on the shared table, so proxies growing one tenant
+   at once agree. A smaller tenant instead stays up to the looser (continuation) bound, else
+   spills that one request and brings the packing repair forward (step 5 re-homes it); before
+   warm-up only a real queue makes it spill. When the tenant cools (its traffic would fit in one
+   replica less, for `cool_down_s`) the last member is dropped.
 4. A tenant never seen is **placed** on the replica with the least load and cache pressure
    (tenants placed there), ties broken by rendezvous hashing. With Redis the placement is
    written with set-if-absent (the first proxy wins, the others adopt its choice) into a hash
    every proxy mirrors, so all proxies agree on every tenant's set. When Redis is down, known
    tenants keep their mirrored sets and unknown ones fall back to rendezvous order (stateless
    agreement); without Redis at all, this process's table is the authority.
-5. Placement is online bin packing with two limits, traffic (the bound) and cache room (tenants'
-   system prompts per replica: its `vllm:cache_config_info` size x `cache_fill`, and no more than
-   an even spread, since each replica's conversations need room too), and warm-up placements are
-   blind to popularity. So every `rebalance_interval_s` a **packing repair** moves one
-   single-replica tenant, or swaps two, where that lowers the excess prompts (squared) plus the
-   traffic beyond (1 + eps/2) x mean by enough, counting multi-replica tenants as flexible
-   (their new conversations fill their least-loaded members). With Redis one proxy at a time
-   plans (a lease it renews), so a single estimate of the tenants' shares decides, and it writes
-   by compare-and-set on the shared table.
+5. Placement is online bin packing with two limits, traffic (the bound) and cache room (the
+   tenants' system prompts each replica's cache must hold, sized from `vllm:cache_config_info`),
+   and warm-up placements are blind to popularity. So every `rebalance_interval_s` a **packing
+   repair** (proxy/routing/packing.py, in the background) makes up to two changes, each a move
+   of a single-replica tenant or a swap of two, that spread the prompts evenly over the caches
+   without pushing traffic past (1 + eps/2) x mean. With Redis one proxy at a time plans (a
+   lease it renews), so a single estimate of the tenants' shares decides, and it writes by
+   compare-and-set on the shared table.
 
 The bound (consistent hashing with bounded loads, Mirrokni et al. 2017) applies to a
 **smoothed** load: the exponentially decayed count of requests routed to each replica (time
@@ -273,9 +273,10 @@ class PrefixAffinity:
 
     # -- packing repair ---------------------------------------------------------------------------
     async def _repair(self, candidates: Sequence[Backend], now: float) -> None:
-        """Every `rebalance_interval_s`, apply `_plan`'s move or swap. With Redis only one proxy
-        plans (it holds a lease while it lives, so one estimate of the tenants' shares decides and
-        proxies never undo each other's moves), through compare-and-set on the shared table."""
+        """Every `rebalance_interval_s` (sooner after a spill), in a task of its own, apply `_plan`'s
+        changes. With Redis only one proxy plans (it holds a lease while it lives, so one estimate
+        of the tenants' shares decides and proxies never undo each other's moves), through
+        compare-and-set on the shared table."""
         cfg = self.config
         shared = self.shared
         if not self._warm(now) or (shared is not None and not shared.up):

@@ -418,11 +418,14 @@ class PrefixAffinity:
         self._epoch += 1
         self._forget_at = min(max(2 * len(self.tenant_rate.scaled), 1024), cfg.max_tenants * 11 // 10)
 
+    def _seen(self, now: float) -> float:
+        """Requests this proxy routed (decayed)."""
+        return self.tenant_rate.scaled.get(None, 0.0) / self.tenant_rate.factor(now)
+
     def _warm(self, now: float) -> bool:
         """Enough traffic over all proxies (and some here) for the tenants' shares to mean something."""
-        local = self.tenant_rate.scaled.get(None, 0.0) / self.tenant_rate.factor(now)
         need = self.config.grow_min_requests
-        return self._fleet_rate >= need and local >= need / 4
+        return self._fleet_rate >= need and self._seen(now) >= need / 4
 
     def _may_grow(self, pin: int, size: int, n: int) -> bool:
         """Enough history, and the tenant alone nearly fills the replicas it has, even at the low
@@ -432,8 +435,7 @@ class PrefixAffinity:
         if not self._warm(time.time()):
             return False
         share = self._share(pin)
-        seen = self.tenant_rate.scaled.get(None, 0.0) / self.tenant_rate.factor(time.time())
-        low = share - _GROW_SIGMAS * math.sqrt(share * (1.0 - share) / max(seen, 1.0))
+        low = share - _GROW_SIGMAS * math.sqrt(share * (1.0 - share) / max(self._seen(time.time()), 1.0))
         return low * n >= size * self.config.grow_fill
 
     def _share(self, pin: int) -> float:

@@ -79,13 +79,13 @@ class Packing:
                 loads[i] = max(loads[i], level)
         return loads
 
-    def room(self, counts: list[int]) -> float:
-        return sum(w * (c - f) ** 2 for w, c, f in zip(self.weight, counts, self.fair))
+    def room(self, counts: list[int]) -> list[float]:
+        return [w * (c - f) ** 2 for w, c, f in zip(self.weight, counts, self.fair)]
 
     def costs(self, counts: list[int], fixed: list[float]) -> list[float]:
-        loads, weight, fair, target = self.loads(fixed), self.weight, self.fair, self.target
-        return [weight[i] * (counts[i] - fair[i]) ** 2 + _LOAD_WEIGHT * max(0.0, loads[i] - target)
-                for i in range(self.n)]
+        target = self.target
+        return [room + _LOAD_WEIGHT * max(0.0, load - target)
+                for room, load in zip(self.room(counts), self.loads(fixed))]
 
     def changes(self, layout: Layout) -> Iterator[tuple[Move, ...]]:
         """Moves out of the costliest replicas first, each also as swaps with the tenants of the
@@ -115,11 +115,12 @@ class Packing:
         for k, moves in enumerate(itertools.islice(self.changes(layout), budget)):
             counts, fixed = layout.shifted(moves)
             cost = sum(self.costs(counts, fixed)) + _MOVE_COST * len(moves)
-            first.append((cost, self.room(counts), k, moves))
+            first.append((cost, round(sum(self.room(counts)), 9), k, moves))  # rounded: ties stay ties
             if cost < best_cost:
                 best, best_cost = moves, cost
         beam = {k: moves for _, _, k, moves in heapq.nsmallest(_BEAM // 2, first)}
-        beam.update((k, moves) for _, _, k, moves in heapq.nsmallest(_BEAM // 2, first, key=lambda f: (round(f[1], 9), f[0])))
+        spread = heapq.nsmallest(_BEAM // 2, first, key=lambda f: (f[1], f[0]))
+        beam.update((k, moves) for _, _, k, moves in spread)
         for moves in beam.values():  # (empty when nothing is movable)
             step = layout.after(moves)
             done = {m[1] for m in moves}

@@ -134,6 +134,13 @@ class PrefixAffinity:
         remote = self.shared.remote_load.get(backend.name, 0) if self.shared is not None else 0
         return backend.in_flight + remote
 
+    def loads(self, candidates: Sequence[Backend]) -> list[int]:
+        """`load` of each candidate (one pass: this runs on every request)."""
+        remote = self.shared.remote_load if self.shared is not None else None
+        if not remote:
+            return [b.in_flight for b in candidates]
+        return [b.in_flight + remote.get(b.name, 0) for b in candidates]
+
     def smoothed(self, candidates: Sequence[Backend], now: float) -> list[float]:
         """Decayed routed counts over all proxies, per candidate."""
         down = 1.0 / self.routed.factor(now)
@@ -159,7 +166,8 @@ class PrefixAffinity:
         now = time.time()
         chars = max(key.pin_blocks, 1) * cfg.block_chars
         self._prompt_chars += (chars - self._prompt_chars) * (0.01 if self._prompt_chars else 1.0)
-        if now >= self._next_repair:  # in the background: this request does not wait for it
+        if now >= self._next_repair and (self._repairing is None or self._repairing.done()):
+            # in the background: this request does not wait for it
             self._next_repair = now + cfg.rebalance_interval_s
             self._repairing = asyncio.get_running_loop().create_task(self._repair(list(candidates), now))
         chosen, reason = self._choose(candidates, key.pin, key.pin_blocks, match, now)
@@ -185,7 +193,7 @@ class PrefixAffinity:
         cfg = self.config
         n = len(candidates)
         rates = self.smoothed(candidates, now)
-        flights = [self.load(b) for b in candidates]
+        flights = self.loads(candidates)
         self._fleet_rate = total = sum(rates)
         mean = (total + 1.0) / n
         cap = (1.0 + cfg.epsilon) * mean + cfg.load_slack
@@ -222,7 +230,6 @@ class PrefixAffinity:
         # warming up, or when others' traffic makes its replicas busy, it stays on them up to the
         # looser (continuation) bound, beyond that single requests spill without changing its set.
         if present and not self._may_grow(pin, len(members), n):
-            other = self._best(candidates, rates, flights, cap, qcap, pin, members, grow=True)
             # before warm-up ends (shares unknown) only a real queue makes it spill: a spilled
             # conversation copies the prompt elsewhere and its later turns stay there
             hard = cap + cfg.continuation_slack * mean if self._warm(now) else math.inf
@@ -237,7 +244,7 @@ class PrefixAffinity:
             # a spilled conversation copies the prompt and stays where it went: the packing
             # repair should look at this soon rather than at its next period
             self._next_repair = min(self._next_repair, now + _SPILL_REPAIR_S)
-            return other, "spill"
+            return self._best(candidates, rates, flights, cap, qcap, pin, members, grow=True), "spill"
         # every member is over the bound (or gone): grow the set by the best other replica
         chosen = self._best(candidates, rates, flights, cap, qcap, pin, members, grow=present > 0)
         if present and self.shared is not None:

@@ -162,7 +162,8 @@ class AffinityConfig(Strict):
         2.0, ge=0, description="a tenant the packing repair moved stays put at least this long"
     )
     cool_down_s: float = Field(
-        30.0, gt=0, description="a tenant's replica set shrinks only this long after it last changed"
+        30.0, gt=0, description="a tenant's replica set shrinks only this long after it last changed; for as long, "
+        "the packing repair does not move a tenant back where it came from"
     )
     cache_fill: float = Field(
         0.65, gt=0, le=1, description="share of a replica's prefix cache (vllm:cache_config_info) that tenants' "

@@ -268,3 +268,14 @@ def test_distinct_system_prompts_do_not_grow_memory_without_bound() -> None:
         assert name in {b.name for b in bs}
         assert len(policy.pins) <= 220 and len(policy.tenant_rate.scaled) <= 221 and len(policy._changed) <= 220
     assert pick(policy, bs, chat_request("unique system prompt 1499 " * 30, "again"))[1] in ("pinned", "prefix-hit")
+
+
+def test_packing_does_not_undo_a_recent_move() -> None:
+    """A tenant moved by the repair is not moved back where it came from (for cool_down_s):
+    noisy share estimates would otherwise make it flip between two replicas."""
+    packing = Packing([2.0] * 3, [1.0] * 3, 1.05 / 3, [])
+    crowded = Layout([3, 2, 1], [0.3, 0.4, 0.3], [[(0.1, 1), (0.1, 2), (0.1, 3)], [(0.2, 4), (0.2, 5)], [(0.3, 6)]])
+    moves = packing.plan(crowded)
+    assert moves and any(pin in (1, 2) and b == 2 for _, pin, _, b in moves)
+    banned = Layout(crowded.counts, crowded.fixed, crowded.singles, frozenset({(1, 2), (2, 2), (3, 2)}))
+    assert all(b != 2 or pin not in (1, 2, 3) for _, pin, _, b in packing.plan(banned))

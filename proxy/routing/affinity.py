@@ -115,6 +115,7 @@ class PrefixAffinity:
         self.tenant_rate = DecayedCounts(config.load_window_s, now)  # per pin, and None = all requests
         self.pins: dict[int, tuple[tuple[str, ...], float]] = shared.pins if shared is not None else {}
         self._changed: dict[int, float] = {}  # pin -> when its set last changed (as seen here)
+        self._came_from: dict[int, tuple[str, float]] = {}  # pin -> (replica, when) of its last repair move
         self._forget_at = min(1024, config.max_tenants)  # rate-table size that triggers `_forget`
         self._epoch = 0  # bumped on every local table change
         self._counts: dict[str, int] = {}  # tenants per replica, cached for `_counts_version`
@@ -292,6 +293,7 @@ class PrefixAffinity:
             return
         plan = self._plan(candidates, now)
         for pin, old, new in plan:
+            self._came_from[pin] = (old[0], now)
             if shared is None:
                 self._set(pin, new, now)
             elif await shared.grow(pin, old, new) is not None:
@@ -328,8 +330,12 @@ class PrefixAffinity:
         fair = [sum(counts) * (size / whole if whole else 1.0 / n) for size in sizes]
         pressure = [min(1.0, fair[i] / max(self._capacity(b, fair[i]), 1e-9)) for i, b in enumerate(candidates)]
         packing = Packing(fair, pressure, (1.0 + self.config.epsilon / 2) / n, flex)
+        undo = now - self.config.cool_down_s
+        banned = frozenset((pin, where[name]) for pin, (name, at) in self._came_from.items()
+                           if at > undo and name in where)
         names = [b.name for b in candidates]
-        return [(pin, (names[a],), (names[b],)) for _, pin, a, b in packing.plan(Layout(counts, fixed, singles))]
+        return [(pin, (names[a],), (names[b],))
+                for _, pin, a, b in packing.plan(Layout(counts, fixed, singles, banned))]
 
     def _capacity(self, backend: Backend, default):
         """Tenant prompts the replica's cache keeps: `cache_fill` of its size over the mean system
@@ -420,6 +426,7 @@ class PrefixAffinity:
             for pin, _ in sorted(pins.items(), key=lambda kv: kv[1][1])[:len(pins) - cfg.max_tenants * 9 // 10]:
                 del pins[pin]
         self._changed = {p: t for p, t in self._changed.items() if p in pins}
+        self._came_from = {p: v for p, v in self._came_from.items() if p in pins}
         rates = self.tenant_rate.scaled
         self.tenant_rate.scaled = {k: v for k, v in rates.items() if k is None or k in pins}
         self._epoch += 1

@@ -13,7 +13,9 @@ A change is a move of a single-replica tenant or a swap of two. Getting out of a
 often needs two changes where the first alone costs more (move a heavy tenant out, then a light
 one in), so the search looks two changes deep, keeping the best few first changes (a beam).
 Tenants on several replicas are never moved: new conversations fill their least-loaded members,
-so they absorb imbalance (their traffic is water-filled into their members).
+so they absorb imbalance (their traffic is water-filled into their members). A tenant is not
+moved back where it came from for a while: share estimates are noisy (with three proxies the
+planner sees a third of the traffic) and the load term is steep, so undoing is mostly noise.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class Layout:
     counts: list[int]  # tenants (prompts) per replica
     fixed: list[float]  # traffic share of its single-replica tenants
     singles: list[list[tuple[float, int]]]  # its movable tenants (share, pin), sorted
+    banned: frozenset[tuple[int, int]] = frozenset()  # (pin, replica) moves not to make: recent undos
 
     def shifted(self, moves: tuple[Move, ...]) -> tuple[list[int], list[float]]:
         """Tenants and fixed traffic per replica after `moves`."""
@@ -56,7 +59,7 @@ class Layout:
         for share, pin, a, b in moves:
             singles[a] = [t for t in singles[a] if t[1] != pin]
             singles[b] = sorted(singles[b] + [(share, pin)])
-        return Layout(*self.shifted(moves), singles)
+        return Layout(*self.shifted(moves), singles, self.banned)
 
 
 class Packing:
@@ -90,19 +93,20 @@ class Packing:
     def changes(self, layout: Layout) -> Iterator[tuple[Move, ...]]:
         """Moves out of the costliest replicas first, each also as swaps with the tenants of the
         target whose shares come closest to evening out the two replicas' traffic."""
-        costs, loads = self.costs(layout.counts, layout.fixed), self.loads(layout.fixed)
+        costs, loads, banned = self.costs(layout.counts, layout.fixed), self.loads(layout.fixed), layout.banned
         for a in sorted(range(self.n), key=costs.__getitem__, reverse=True):
             if costs[a] <= 0:
                 return
             for share, pin in layout.singles[a]:
                 for b in range(self.n):
-                    if b == a:
+                    if b == a or (pin, b) in banned:
                         continue
                     yield ((share, pin, a, b),)
                     side = layout.singles[b]
                     at = bisect.bisect_left(side, (share - (loads[a] - loads[b]) / 2,))
                     for other, pin2 in side[max(at - 1, 0):at + 1]:
-                        yield (share, pin, a, b), (other, pin2, b, a)
+                        if (pin2, a) not in banned:
+                            yield (share, pin, a, b), (other, pin2, b, a)
 
     def plan(self, layout: Layout) -> tuple[Move, ...]:
         """The change, or pair of changes, that saves the most cost, if it saves enough. The second

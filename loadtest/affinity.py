@@ -14,8 +14,8 @@ client-side TTFT and errors.
 
 Policies: our proxy's `routing.policy` values, optionally with knobs of the policy's YAML section
 to compare variants side by side (`prefix_affinity+rebalance_interval_s=1+move_after_s=1`; a
-policy `python -m proxy check` rejects is skipped with its message), or `sglang:<policy>` / `vllm-router:<policy>` for peer routers
-installed in --peers-venv.
+policy `python -m proxy check` rejects is skipped with its message), or `sglang:<policy>` /
+`vllm-router:<policy>` for peer routers installed in --peers-venv.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtest.affinity_bound import pooled_hit_rate
+from loadtest.affinity_bound import pooled_hit_rate, token_hit_rate
 from loadtest.affinity_client import run_load
 from loadtest.affinity_fleet import (PEERS, Fleet, SimSettings, check_policy, flush_redis,
                                      peer_available)
@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.affinity", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
-    add("--shape", default="strong,weak", help=f"comma list of {', '.join(SHAPES)} (tenants, skew, cache factor): "
+    add("--shape", default="strong,weak",
+        help=f"comma list of {', '.join(SHAPES)} (tenants, skew, cache factor): "
         + "; ".join(f"{k}={v}" for k, v in SHAPES.items()))
     add("--tenants", type=int, help="override the shape's tenant count")
     add("--skew", type=float, help="override the shape's Zipf exponent of tenant popularity")
@@ -95,7 +96,8 @@ def build_shape(name: str, args: argparse.Namespace) -> tuple[Workload, dict]:
     total = sum(blocks)
     per_replica = args.num_gpu_blocks or math.ceil(factor * total / args.replicas)
     tokens = prompt_tokens(workload)
-    sizing = {"tenants": spec.tenants, "skew": spec.skew, "fleet_cache_factor": factor, "system_blocks_per_tenant": round(total / spec.tenants, 1),
+    sizing = {"tenants": spec.tenants, "skew": spec.skew, "fleet_cache_factor": factor,
+              "system_blocks_per_tenant": round(total / spec.tenants, 1),
               "system_blocks_total": total, "blocks_per_replica": per_replica,
               "fleet_blocks": per_replica * args.replicas,
               "tenants_per_replica": round(per_replica / (total / spec.tenants), 1),
@@ -174,9 +176,8 @@ def quarter_shares(sent_order: list[int], cached: dict[int, tuple[int, int]],
     shares = []
     for p in range(parts):
         lo, hi = p * n // parts, (p + 1) * n // parts
-        mine = [cached.get(sent_order[k], (0, 0)) for k in range(lo, hi)]
-        hit = sum(h for h, _ in mine) / max(sum(q for _, q in mine), 1)
-        best = sum(h for h, _ in pooled[lo:hi]) / max(sum(q for _, q in pooled[lo:hi]), 1)
+        hit = token_hit_rate(cached.get(sent_order[k], (0, 0)) for k in range(lo, hi))
+        best = token_hit_rate(pooled[lo:hi])
         shares.append(hit / best if best else float("nan"))
     return shares
 

@@ -13,6 +13,12 @@ from proxy.sim.app import SimApp
 from proxy.sim.config import SimConfig
 
 
+def token_hit_rate(pairs) -> float:
+    """Token-weighted hit rate of (hit tokens, queried tokens) pairs, as vLLM's counters define it."""
+    pairs = list(pairs)
+    return sum(h for h, _ in pairs) / max(sum(q for _, q in pairs), 1)
+
+
 def pooled_hit_rate(bodies: list[dict], *, model: str, block_size: int, num_blocks: int) -> dict:
     """Replay `bodies` one after another; token-weighted hit rate as vLLM's counters define it."""
     app = SimApp(SimConfig(model=model, block_size=block_size, num_gpu_blocks=num_blocks, time_scale=0,

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from loadtest import affinity
-from loadtest.affinity_bound import pooled_hit_rate
+from loadtest.affinity_bound import pooled_hit_rate, token_hit_rate
 from loadtest.affinity_client import LoadResult, run_load
 from loadtest.affinity_fleet import Fleet, SimSettings, free_port
 from loadtest.affinity_workload import Workload
@@ -106,8 +106,7 @@ def run(workload: Workload, sizing: dict, args, outage: bool, tmp: Path) -> dict
         hits = sum(b["hits"] - a["hits"] for a, b in zip(snapshots[p], snapshots[p + 1]))
         queries = sum(b["queries"] - a["queries"] for a, b in zip(snapshots[p], snapshots[p + 1]))
         lo, hi = (0, *marks, n)[p], (0, *marks, n)[p + 1]
-        pooled = bound["per_request"][lo:hi]
-        bound_rate = sum(h for h, _ in pooled) / max(sum(q for _, q in pooled), 1)
+        bound_rate = token_hit_rate(bound["per_request"][lo:hi])
         hit = hits / queries if queries else 0.0
         phases.append({"phase": name, "hit": hit, "bound": bound_rate, "share": hit / bound_rate if bound_rate else 0.0,
                        "errors": errors_at[p] - (errors_at[p - 1] if p else 0)})

@@ -132,11 +132,10 @@ class PrefixAffinity:
 
     def load(self, backend: Backend) -> int:
         """Instantaneous in-flight requests over all proxies (also used by the LoRA manager)."""
-        remote = self.shared.remote_load.get(backend.name, 0) if self.shared is not None else 0
-        return backend.in_flight + remote
+        return self.loads((backend,))[0]
 
     def loads(self, candidates: Sequence[Backend]) -> list[int]:
-        """`load` of each candidate (one pass: this runs on every request)."""
+        """`load` of each candidate, in one pass (this runs on every request)."""
         remote = self.shared.remote_load if self.shared is not None else None
         if not remote:
             return [b.in_flight for b in candidates]
@@ -416,8 +415,9 @@ class PrefixAffinity:
     def _forget(self, now: float) -> None:
         """Bound the per-tenant tables, which grow with every distinct system prompt a client
         sends: drop expired placements (the Redis mirror expires its own) and, beyond
-        `max_tenants`, the stalest (a used placement is rewritten every shared_ttl_s / 2); then the rates and stamps of tenants not placed.
-        Amortised: runs again only once the rate table has doubled (capped just above the limit)."""
+        `max_tenants`, the stalest (a used placement is rewritten every shared_ttl_s / 2); then the
+        rates and stamps of tenants not placed. Amortised: runs again only once the rate table has
+        doubled (capped just above the limit)."""
         cfg, pins = self.config, self.pins
         if self.shared is None:
             for pin in [p for p, (_, stamp) in pins.items() if now - stamp > cfg.shared_ttl_s]:

@@ -120,18 +120,29 @@ def test_packing_repair_moves_a_tenant_out_of_a_crowded_cache() -> None:
     assert policy._plan(bs, now) == []
 
 
-def test_conversation_follows_its_earlier_turns() -> None:
+def test_conversation_follows_its_earlier_turns_while_its_tenant_is_there() -> None:
     bs = backends(4)
     policy = PrefixAffinity(AffinityConfig(block_chars=64, queue_slack=0))
-    first, _ = pick(policy, bs, chat_request(tenant(3), "question one " * 10))
-    home = next(b for b in bs if b.name == first)
-    home.in_flight = 3  # the conversation's home has a queue: a new conversation spills...
-    spilled, reason = pick(policy, bs, chat_request(tenant(3), "a different question " * 10))
-    assert reason == "spill" and spilled != first
-    home.in_flight = 0
-    # ...and its continuation goes back to where its earlier turns were computed
-    name, reason = pick(policy, bs, chat_request(tenant(3), "a different question " * 10, "answer " * 10, "more"))
-    assert (name, reason) == (spilled, "prefix-hit")
+    one = ("question one " * 10, "answer " * 10, "more")
+    home, _ = pick(policy, bs, chat_request(tenant(3), one[0]))
+    assert pick(policy, bs, chat_request(tenant(3), *one)) == (home, "prefix-hit")
+    busy = next(b for b in bs if b.name == home)
+    busy.in_flight = 3  # the tenant's home has a queue: a new conversation spills...
+    two = ("a different question " * 10, "answer " * 10, "more")
+    spilled, reason = pick(policy, bs, chat_request(tenant(3), two[0]))
+    assert reason == "spill" and spilled != home
+    busy.in_flight = 0
+    # ...and its continuation goes back where the tenant's prompt lives, not to the replica it
+    # spilled to (that would keep a second copy of the prompt alive for the conversation's life)
+    assert pick(policy, bs, chat_request(tenant(3), *two)) == (home, "pinned")
+    # the tenant moves (the packing repair): its open conversations follow it
+    pin = prefix_key(True, chat_request(tenant(3), "x").data, MODEL, 64, 64).pin
+    moved = next(b.name for b in bs if b.name not in (home, spilled))
+    policy.pins[pin] = ((moved,), time.time())
+    assert pick(policy, bs, chat_request(tenant(3), *one, "answer " * 10, "again")) == (moved, "pinned")
+    # on a tenant with two replicas, a conversation stays on the member that computed it
+    policy.pins[pin] = ((home, moved), time.time())
+    assert pick(policy, bs, chat_request(tenant(3), *one, "answer " * 10, "again")) == (moved, "prefix-hit")
 
 
 REDIS_URL = "redis://127.0.0.1:6379/9"

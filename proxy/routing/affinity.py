@@ -3,7 +3,11 @@
 The unit of placement is the tenant: the **pin key** (the leading system part of the prompt).
 
 1. A continuation (the longest known prefix match reaches past the pin part) goes back to the
-   replica that computed its earlier turns, unless that replica is clearly over the bound.
+   replica that computed its earlier turns, unless that replica is clearly over the bound or is
+   no longer in its tenant's set (the tenant moved, or this conversation spilled): then it goes
+   where the tenant's prompt now lives. Keeping a moved tenant's conversations where they were
+   kept its prompt in two caches for as long as they lasted (seconds to minutes for a light
+   tenant), crowding both; recomputing a conversation's own turns once is cheaper.
 2. Every tenant has a small ordered **replica set** (its home first). A new conversation goes
    to the least-loaded member under the bound, so a hot tenant's traffic is shared by replicas
    that all hold its prompt instead of spilling to arbitrary ones.
@@ -40,6 +44,7 @@ guard against a real queue (more than ceil((1 + eps) x mean) + queue_slack in fl
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import Sequence
@@ -52,6 +57,8 @@ from proxy.routing.catalog import Route
 from proxy.routing.index import PrefixIndex
 from proxy.routing.packing import Layout, Packing
 from proxy.shared import SharedState
+
+log = logging.getLogger("vllm_proxy.affinity")
 
 _MASK = (1 << 64) - 1
 _RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulators past it
@@ -200,14 +207,18 @@ class PrefixAffinity:
         qcap = math.ceil((1.0 + cfg.epsilon) * (sum(flights) + 1) / n) + cfg.queue_slack
 
         matched, owner = match
-        if owner is not None and matched > pin_blocks:
+        entry = self.pins.get(pin)
+        # a continuation follows its conversation only while that replica is one of its tenant's:
+        # after the tenant moved (or this conversation spilled) it goes where the tenant's prompt
+        # is, recomputing its own turns once, rather than keep the prompt alive in a second cache
+        # for as long as its conversations last
+        if owner is not None and matched > pin_blocks and (entry is None or owner in entry[0]):
             for i, backend in enumerate(candidates):
                 if backend.name == owner:
                     if rates[i] + 1 <= cap + cfg.continuation_slack * mean and flights[i] + 1 <= qcap:
                         return backend, "prefix-hit"
                     break
 
-        entry = self.pins.get(pin)
         if entry is None:
             return self._best(candidates, rates, flights, cap, qcap, pin, ()), "place"
         members, stamp = entry
@@ -292,6 +303,7 @@ class PrefixAffinity:
             return
         plan = self._plan(candidates, now)
         for pin, old, new in plan:
+            log.info("packing repair: tenant %016x (share %.3f) %s -> %s", pin, self._share(pin), old[0], new[0])
             self._came_from[pin] = (old[0], now)
             if shared is None:
                 self._set(pin, new, now)
@@ -333,8 +345,11 @@ class PrefixAffinity:
         banned = frozenset((pin, where[name]) for pin, (name, at) in self._came_from.items()
                            if at > undo and name in where)
         names = [b.name for b in candidates]
-        return [(pin, (names[a],), (names[b],))
-                for _, pin, a, b in packing.plan(Layout(counts, fixed, singles, banned))]
+        moves = packing.plan(Layout(counts, fixed, singles, banned))
+        if moves:
+            log.debug("packing repair: tenants per replica %s (fair %s), traffic %s", counts,
+                      [round(f, 1) for f in fair], [round(x, 3) for x in packing.loads(fixed)])
+        return [(pin, (names[a],), (names[b],)) for _, pin, a, b in moves]
 
     def _capacity(self, backend: Backend, default):
         """Tenant prompts the replica's cache keeps: `cache_fill` of its size over the mean system
@@ -367,6 +382,8 @@ class PrefixAffinity:
         members = await self.shared.grow(pin, old, new)  # type: ignore[union-attr]
         self._changed[pin] = now
         self._epoch += 1
+        if members == new:
+            log.info("tenant %016x (share %.3f) grows to %s", pin, self._share(pin), ",".join(new))
         if members is None or chosen.name in members:
             return chosen, "spill"
         inside = [b for b in candidates if b.name in members]
@@ -410,6 +427,7 @@ class PrefixAffinity:
         if now - changed < self.config.cool_down_s:
             return
         if self._share(pin) * n < (len(members) - 1) * self.config.grow_fill * 0.75:
+            log.info("tenant %016x (share %.3f) shrinks to %s", pin, self._share(pin), ",".join(members[:-1]))
             self._set(pin, members[:-1], now)
 
     def _forget(self, now: float) -> None:

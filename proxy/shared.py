@@ -31,11 +31,33 @@ PINS_KEY = "vp:pins"  # field: pin key (hex) -> "replica,replica,...|unix time o
 PINS_VERSION = "vp:pins:v"
 _REPUBLISH_BATCH = 500
 
-# place a tenant unless another proxy already did; bump the version so mirrors re-read
+# place a tenant unless another proxy already did; bump the version so mirrors re-read. ARGV[3..]
+# are the caller's choices, best first, each with the tenants it believed that replica holds:
+# while the table is small (ARGV[2] entries at most; a cold start, when proxies place tenants
+# at once from mirrors that do not show each other's placements yet) the script takes the first
+# choice whose count did not grow behind the caller's back, else the one that grew least
 _PLACE = """
-if redis.call('hsetnx', KEYS[1], ARGV[1], ARGV[2]) == 1 then redis.call('incr', KEYS[2]) end
-return redis.call('hget', KEYS[1], ARGV[1])
+local cur = redis.call('hget', KEYS[1], ARGV[1])
+if cur then return cur end
+local choice = ARGV[4]
+if #ARGV > 5 and redis.call('hlen', KEYS[1]) <= tonumber(ARGV[2]) then
+  local counts = {}
+  for _, v in ipairs(redis.call('hvals', KEYS[1])) do
+    for m in string.gmatch(string.match(v, '^(.*)|[^|]*$') or v, '[^,]+') do counts[m] = (counts[m] or 0) + 1 end
+  end
+  local least
+  for i = 4, #ARGV, 2 do
+    local grown = (counts[ARGV[i]] or 0) - tonumber(ARGV[i + 1])
+    if least == nil or grown < least then least, choice = grown, ARGV[i] end
+    if grown <= 0 then break end
+  end
+end
+local value = choice .. '|' .. ARGV[3]
+redis.call('hset', KEYS[1], ARGV[1], value)
+redis.call('incr', KEYS[2])
+return value
 """
+_PLACE_COUNTED = 256  # table size up to which a placement looks at every replica's tenant count
 
 # change a tenant's set only if it still is what the caller saw (compare-and-set), so proxies
 # growing the same tenant at the same time agree on one new member; returns the current value
@@ -139,15 +161,17 @@ class SharedState:
                 return i + 1, owners[i]
         return 0, None
 
-    async def place(self, pin: int, members: Sequence[str]) -> tuple[str, ...] | None:
-        """Record a new tenant's placement unless another proxy did first; returns the winner's
-        members, or None when Redis cannot answer now."""
+    async def place(self, pin: int, choices: Sequence[tuple[str, int]]) -> tuple[str, ...] | None:
+        """Record a new tenant's placement unless another proxy did first: the first of `choices`
+        (replica, tenants the caller believes it holds), best first, that no other proxy filled
+        meanwhile (see _PLACE). Returns the placement in force, or None when Redis cannot answer now."""
         if not self.up:
             return None
         if self._busy >= self.max_connections - 1:
             self.pool_full += 1
             return None
-        return await self._pin_script(_PLACE, pin, format_pin(members, time.time()))
+        flat = [str(x) for choice in choices for x in choice]
+        return await self._pin_script(_PLACE, pin, str(_PLACE_COUNTED), f"{time.time():.0f}", *flat)
 
     async def grow(self, pin: int, old: Sequence[str], members: Sequence[str]) -> tuple[str, ...] | None:
         """Change a tenant's set from `old` to `members` unless another proxy changed it first;

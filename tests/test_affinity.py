@@ -202,7 +202,8 @@ def test_explain_headers_can_be_switched_off(servers: Servers) -> None:
 
 
 def test_shared_growth_is_compare_and_set_and_connections_are_bounded(redis_db) -> None:
-    """Two proxies growing one tenant at once agree on a single new member; a burst of lookups
+    """Proxies placing new tenants at once do not stack them on one replica; two proxies growing
+    one tenant at once agree on a single new member; a burst of lookups
     opens at most `max_connections` Redis connections and degrades to local state, not to errors."""
     from proxy.shared import SharedState
 
@@ -212,8 +213,13 @@ def test_shared_growth_is_compare_and_set_and_connections_are_bounded(redis_db) 
         b = SharedState(REDIS_URL, local_load=dict, max_connections=4, timeout_s=0.5)
         a.up = b.up = True
         try:
-            assert await a.place(42, ("gpu-0",)) == ("gpu-0",)
-            assert await b.place(42, ("gpu-1",)) == ("gpu-0",)  # set-if-absent: a won
+            assert await a.place(42, [("gpu-0", 0)]) == ("gpu-0",)
+            assert await b.place(42, [("gpu-1", 0)]) == ("gpu-0",)  # set-if-absent: a won
+            # b's mirror does not show a's placement yet: the table corrects b's first choice to
+            # its next equally good one instead of stacking two new tenants on gpu-0
+            assert await b.place(43, [("gpu-0", 0), ("gpu-1", 0)]) == ("gpu-1",)
+            assert await b.place(44, [("gpu-0", 1), ("gpu-2", 0)]) == ("gpu-0",)  # its view was right
+            assert await a.place(45, [("gpu-0", 0), ("gpu-1", 0)]) == ("gpu-1",)  # both grew: the least
             first, second = await asyncio.gather(a.grow(42, ("gpu-0",), ("gpu-0", "gpu-1")),
                                                  b.grow(42, ("gpu-0",), ("gpu-0", "gpu-2")))
             assert first == second and len(first) == 2

@@ -22,7 +22,9 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
 4. A tenant never seen is **placed** on the replica with the least load and cache pressure
    (tenants placed there), ties broken by rendezvous hashing. With Redis the placement is
    written with set-if-absent (the first proxy wins, the others adopt its choice) into a hash
-   every proxy mirrors, so all proxies agree on every tenant's set. When Redis is down, known
+   every proxy mirrors, so all proxies agree on every tenant's set; while the table is small
+   the script also skips a first choice that other proxies filled since this proxy's mirror was
+   read (at a cold start proxies placing tenants at once stacked them on one replica). When Redis is down, known
    tenants keep their mirrored sets and unknown ones fall back to rendezvous order (stateless
    agreement); without Redis at all, this process's table is the authority.
 5. Placement is online bin packing with two limits, traffic (the bound) and cache room (the
@@ -64,6 +66,7 @@ _MASK = (1 << 64) - 1
 _RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulators past it
 _CHARS_PER_TOKEN = 4  # to size a system prompt (pin blocks x block_chars) in cache tokens
 _SPILL_REPAIR_S = 0.25  # a spill brings the packing repair forward to at most this far away
+_PLACE_CHOICES = 8  # equally acceptable replicas offered to the shared table for a new tenant
 _GROW_SIGMAS = 2.5  # a set grows on the lower confidence bound of the tenant's share (binomial)
 
 
@@ -130,6 +133,7 @@ class PrefixAffinity:
         self._slots_total = 0
         self._fleet_rate = 0.0  # smoothed requests routed over all proxies, as of the last decision
         self._growing: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # (old set, new set) for _grow
+        self._placing: list[tuple[str, int]] = []  # (replica, its tenants) choices for _place, best first
         self._prompt_chars = 0.0  # request-weighted moving mean of the system prompt's size
         self._next_repair = now
         self._repairing: asyncio.Task | None = None  # the packing repair in progress (a reference keeps it alive)
@@ -220,7 +224,10 @@ class PrefixAffinity:
                     break
 
         if entry is None:
-            return self._best(candidates, rates, flights, cap, qcap, pin, ()), "place"
+            ranked = self._ranked(candidates, rates, flights, cap, qcap, pin, ())
+            # the shared table may correct the first choice to an equally good one (see _place)
+            self._placing = [(b.name, count) for k, count, b in ranked[:_PLACE_CHOICES] if k[:3] == ranked[0][0][:3]]
+            return ranked[0][2], "place"
         members, stamp = entry
         best = -1
         present = 0
@@ -272,22 +279,29 @@ class PrefixAffinity:
     ) -> Backend:
         """The replica for a new placement: under the bound, least (load share + tenant share),
         ties by rendezvous order; outside `exclude` when possible."""
+        return self._ranked(candidates, rates, flights, cap, qcap, pin, exclude, grow)[0][2]
+
+    def _ranked(
+        self, candidates: Sequence[Backend], rates: list[float], flights: list[int], cap: float, qcap: int,
+        pin: int, exclude: Sequence[str], grow: bool = False,
+    ) -> list[tuple[tuple, int, Backend]]:
+        """`_best`'s order of every candidate: (sort key, tenants it holds, replica), best first."""
         n = len(candidates)
         counts = self._tenant_counts()
         mean_rate = (sum(rates) + n) / n
         mean_count = (sum(counts.get(b.name, 0) for b in candidates) + n) / n
         # cache room: no replica takes more than its share of tenants' prompts (rounded up)
         slots = math.ceil((sum(counts.get(b.name, 0) for b in candidates) + (0 if exclude and not grow else 1)) / n)
-        best, best_key = None, None
+        ranked = []
         for i, backend in enumerate(candidates):
             fits = rates[i] + 1 <= cap and flights[i] + 1 <= qcap
             count = counts.get(backend.name, 0)
             score = (rates[i] + 1) / mean_rate + (0.5 if grow else 1.0) * (count + 1) / mean_count
             k = (backend.name in exclude, not fits, count + 1 > self._capacity(backend, slots), round(score, 6),
                  -rendezvous_weight(pin, backend.salt))
-            if best_key is None or k < best_key:
-                best, best_key = backend, k
-        return best  # type: ignore[return-value]
+            ranked.append((k, count, backend))
+        ranked.sort(key=lambda r: r[0])
+        return ranked
 
     # -- packing repair ---------------------------------------------------------------------------
     async def _repair(self, candidates: Sequence[Backend], now: float) -> None:
@@ -365,11 +379,11 @@ class PrefixAffinity:
             return chosen, "pinned"
         if not shared.up:
             return self._rendezvous(candidates, pin, now)
-        members = await shared.place(pin, (chosen.name,))
+        members = await shared.place(pin, self._placing)
         if members is None:
             return self._rendezvous(candidates, pin, now)
         self._changed[pin] = now
-        if chosen.name not in members:  # another proxy placed it first: follow its choice
+        if chosen.name not in members:  # another proxy placed it first, or filled `chosen`: follow the table
             for backend in candidates:
                 if backend.name in members:
                     return backend, "pinned"

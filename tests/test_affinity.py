@@ -102,21 +102,19 @@ def test_packing_repair_moves_a_tenant_out_of_a_crowded_cache() -> None:
     policy = PrefixAffinity(AffinityConfig(move_after_s=0, grow_min_requests=0))
     now = time.time()
     sets = {1: ("gpu-0", "gpu-1"), 2: ("gpu-2",), 3: ("gpu-2",), 4: ("gpu-2",), 5: ("gpu-2",), 6: ("gpu-3",)}
-    shares = {1: 0.4, 2: 0.05, 3: 0.05, 4: 0.04, 5: 0.03, 6: 0.25}  # gpu-3 is full by traffic
+    shares = {1: 0.4, 2: 0.17, 3: 0.01, 4: 0.01, 5: 0.01, 6: 0.2}  # every replica has 0.2 of the traffic
     for pin, members in sets.items():
         policy.pins[pin] = (members, now - 10)
         policy.tenant_rate.add(pin, now, shares[pin])
     policy.tenant_rate.add(None, now, 1.0)
-    policy._prompt_chars = 40_000.0  # 10 k tokens: 6.5 prompts fit, more than an even spread (2)
+    policy._prompt_chars = 130_000.0  # ~32 k tokens: a cache keeps 2 prompts, an even spread is 1.75
     plan = policy._plan(bs, now)
-    assert plan and all(old == ("gpu-2",) and new in (("gpu-0",), ("gpu-1",)) for _, old, new in plan)
-    for pin, _, new in plan:
-        policy.pins[pin] = (new, now - 10)
-    for _ in range(3):
+    assert plan and all(old == ("gpu-2",) and pin in (3, 4, 5) for pin, old, _ in plan)
+    for _ in range(4):
         for pin, old, new in policy._plan(bs, now):
             policy.pins[pin] = (new, now - 10)
     counts = policy._tenant_counts()
-    assert max(counts.values()) <= 3 and policy.pins[1][0] == ("gpu-0", "gpu-1")
+    assert max(counts.values()) <= 2 and policy.pins[1][0] == ("gpu-0", "gpu-1")
     assert policy._plan(bs, now) == []
 
 
@@ -273,6 +271,28 @@ def test_packing_looks_two_changes_deep() -> None:
     assert sorted(counts) == [3, 3, 3, 4]
     assert max(packing.loads(fixed)) <= 1.05 / 4
     assert sum(packing.costs(counts, fixed)) < sum(packing.costs(start.counts, start.fixed)) / 2
+
+
+def test_packing_evens_out_traffic_below_the_target_too() -> None:
+    """Prompts evenly spread (20 small tenants per replica), one replica a little past the traffic
+    target and two below the mean (a layout the weak shape settled into: max/mean 1.11 over the
+    run): the repair swaps tenants until no replica is more than 4.5 % past the mean."""
+    base = [0.0125, 0.013, 0.0117, 0.012]  # -> 0.266, 0.26, 0.234, 0.24 of all traffic
+    singles = []
+    for r, share in enumerate(base):
+        tenants = [(share + (0.003 if t % 2 else -0.003), 20 * r + t) for t in range(20)]
+        if r == 0:
+            tenants[0] = (0.266 - sum(x for x, _ in tenants[1:]), 0)
+        singles.append(sorted(tenants))
+    layout = Layout([20] * 4, [sum(x for x, _ in ts) for ts in singles], singles)
+    packing = Packing([20.0] * 4, [1.0] * 4, 1.05 / 4, [])
+    for _ in range(4):
+        moves = packing.plan(layout)
+        if not moves:
+            break
+        layout = layout.after(moves)
+    assert max(packing.loads(layout.fixed)) * 4 <= 1.045  # the target alone left it at 1.064
+    assert layout.counts == [20] * 4
 
 
 def test_distinct_system_prompts_do_not_grow_memory_without_bound() -> None:

@@ -155,7 +155,7 @@ class AffinityConfig(Strict):
         "its replicas take at the mean (smaller tenants stay put and spill single requests instead)"
     )
     grow_min_requests: float = Field(
-        64.0, ge=0, description="no replica set grows, and no tenant spills short of a real queue, before this "
+        32.0, ge=0, description="no replica set grows, and no tenant spills short of a real queue, before this "
         "proxy has routed this many (decayed) requests"
     )
     move_after_s: float = Field(

@@ -58,6 +58,29 @@ def test_prefix_keys_share_the_system_part_and_differ_by_model() -> None:
     assert not set(a.chain) & set(c.chain)
 
 
+def test_system_part_hashes_are_kept_without_changing_keys() -> None:
+    """The system part's block hashes are computed once per tenant (they are most of a chat
+    request's chain); keys are the same as computed from scratch, whatever the block count, and
+    the kept text is bounded."""
+    from proxy import prefix
+
+    request = chat_request(tenant(5), "question " * 100)
+    first = prefix_key(True, request.data, MODEL, 64, 64)
+    again = prefix_key(True, request.data, MODEL, 64, 64)  # from the kept hashes
+    fewer = prefix_key(True, request.data, MODEL, 64, 3)
+    kept, prefix._system_hashes = prefix._system_hashes, prefix._SystemHashes(0)  # keeps nothing
+    try:
+        assert prefix_key(True, request.data, MODEL, 64, 64) == first == again
+        assert prefix_key(True, request.data, MODEL, 64, 3) == fewer and fewer.chain == first.chain[:3]
+    finally:
+        prefix._system_hashes = kept
+    assert len(first.chain) > first.pin_blocks > 3
+    bounded = prefix._SystemHashes(10_000)
+    for i in range(100):
+        bounded.put(("m", 64, b"%04d" % i * 125), (i, (), b""))
+    assert bounded.used <= 10_000 and len(bounded.entries) == 20
+
+
 def test_independent_policies_agree_without_coordination() -> None:
     bs = backends(4)
     one, two = PrefixAffinity(AffinityConfig()), PrefixAffinity(AffinityConfig())

@@ -19,6 +19,7 @@ import os
 import time
 from typing import Callable, Sequence
 
+import orjson
 import redis.asyncio as redis
 
 from proxy.tasks import Background
@@ -27,6 +28,9 @@ log = logging.getLogger("vllm_proxy.shared")
 
 INDEX_PREFIX = "vp:px:"
 LOAD_KEY = "vp:load"
+TENANTS_KEY = "vp:tenants"  # field: proxy id -> its busiest tenants' decayed request counts (JSON)
+_TENANTS_EVERY_S = 1.0  # how often a proxy publishes them
+_TENANTS_TOP = 2048  # tenants per proxy published (the planner moves the ones that carry traffic)
 PINS_KEY = "vp:pins"  # field: pin key (hex) -> "replica,replica,...|unix time of the last write"
 PINS_VERSION = "vp:pins:v"
 _REPUBLISH_BATCH = 500
@@ -130,6 +134,9 @@ class SharedState:
         self.remote_rate_at = 0.0
         self.rate_tau = 30.0
         self.local_rates: Callable[[float], dict[str, float]] | None = None  # set by the policy
+        # (tenant -> decayed requests routed here, all requests) at a time; set by the policy
+        self.local_tenants: Callable[[float], tuple[dict[int, float], float]] | None = None
+        self._tenants_at = 0.0
         # mirror of the placement hash: pin -> (members, stamp); `pins_changed` is bumped on re-read
         self.pins: dict[int, tuple[tuple[str, ...], float]] = {}
         self.pins_changed = 0
@@ -237,6 +244,7 @@ class SharedState:
         await self._loop.stop()
         try:
             await self.client.hdel(LOAD_KEY, *[f"{self.proxy_id}|{b}" for b in self.local_load()])
+            await self.client.hdel(TENANTS_KEY, self.proxy_id)
         except Exception:
             pass
         await self.client.aclose()
@@ -296,6 +304,12 @@ class SharedState:
         mine = {f"{self.proxy_id}|{b}": f"{n}|{now:.3f}|{rates.get(b, 0.0):.2f}" for b, n in self.local_load().items()}
         if mine:
             pipe.hset(LOAD_KEY, mapping=mine)
+        if self.local_tenants is not None and now - self._tenants_at >= _TENANTS_EVERY_S:
+            self._tenants_at = now
+            tenants, total = self.local_tenants(now)
+            top = sorted(tenants.items(), key=lambda kv: kv[1], reverse=True)[:_TENANTS_TOP]
+            payload = {"at": now, "total": total, "rates": {f"{p:016x}": round(r, 3) for p, r in top}}
+            pipe.hset(TENANTS_KEY, self.proxy_id, orjson.dumps(payload))
         pipe.hgetall(LOAD_KEY)
         pipe.get(PINS_VERSION)
         results = await asyncio.wait_for(pipe.execute(), max(self.timeout * 4, 0.5))
@@ -306,6 +320,39 @@ class SharedState:
             table = await asyncio.wait_for(self.client.hgetall(PINS_KEY), max(self.timeout * 4, 0.5))
             self._pins_version = version
             self._mirror(table, now)
+
+    async def other_tenants(self) -> tuple[dict[int, float], float] | None:
+        """The other proxies' published tenant counts (decayed to now) and their total: with N
+        proxies each sees 1/N of every tenant's requests, too few to tell a light tenant's share
+        from zero. One read, for the packing repair (never on the request path); None when
+        Redis cannot answer now."""
+        try:
+            table = await asyncio.wait_for(self.client.hgetall(TENANTS_KEY), max(self.timeout * 4, 0.5))
+        except Exception:
+            return None
+        now = time.time()
+        rates: dict[int, float] = {}
+        total = 0.0
+        stale = []
+        for proxy, value in table.items():
+            if proxy == self.proxy_id:
+                continue
+            try:
+                payload = orjson.loads(value)
+                age = max(now - float(payload["at"]), 0.0)
+                if age > 5 * _TENANTS_EVERY_S + 5 * self.sync_interval:  # that proxy is gone
+                    stale.append(proxy)
+                    continue
+                decay = math.exp(-age / self.rate_tau)
+                total += float(payload["total"]) * decay
+                for pin, rate in payload["rates"].items():
+                    key = int(pin, 16)
+                    rates[key] = rates.get(key, 0.0) + float(rate) * decay
+            except (ValueError, KeyError, TypeError, AttributeError):
+                stale.append(proxy)
+        if stale:
+            asyncio.get_running_loop().create_task(self._drop(stale, TENANTS_KEY))
+        return rates, total
 
     def _mirror(self, table: dict[str, str], now: float) -> None:
         pins: dict[int, tuple[tuple[str, ...], float]] = {}

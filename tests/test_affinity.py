@@ -257,6 +257,34 @@ def test_shared_growth_is_compare_and_set_and_connections_are_bounded(redis_db) 
     asyncio.run(scenario())
 
 
+def test_packing_repair_sees_every_proxys_tenant_counts(redis_db) -> None:
+    """With N proxies each sees 1/N of a tenant's requests: a light tenant may show none at the
+    proxy that plans. Each proxy publishes its tenants' counts; the planner adds the others'."""
+    from proxy.shared import SharedState
+
+    async def scenario() -> None:
+        a = SharedState(REDIS_URL, local_load=dict, timeout_s=0.5)
+        b = SharedState(REDIS_URL, local_load=dict, timeout_s=0.5)
+        a.up = b.up = True
+        a.local_tenants = lambda now: ({7: 30.0, 8: 10.0}, 40.0)
+        try:
+            await a._sync()
+            rates, total = await b.other_tenants()
+            assert total == pytest.approx(40.0, rel=0.01) and rates[7] == pytest.approx(30.0, rel=0.01)
+            assert await a.other_tenants() == ({}, 0.0)  # its own counts are not "others"
+            policy = PrefixAffinity(AffinityConfig())
+            now = time.time()
+            policy.tenant_rate.add(8, now, 10.0)
+            policy.tenant_rate.add(None, now, 10.0)  # this proxy saw only tenant 8
+            share = policy._fleet_share(now, (rates, total))
+            assert share(7) == pytest.approx(0.6, rel=0.02) and share(8) == pytest.approx(0.4, rel=0.02)
+        finally:
+            await a.client.aclose()
+            await b.client.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_placements_survive_a_redis_restart(redis_db) -> None:
     """A Redis that comes back empty gets the proxies' mirrored placements back (so tenants keep
     their replicas and caches); an entry another proxy already wrote is not overwritten."""
@@ -339,3 +367,16 @@ def test_packing_does_not_undo_a_recent_move() -> None:
     assert moves and any(pin in (1, 2) and b == 2 for _, pin, _, b in moves)
     banned = Layout(crowded.counts, crowded.fixed, crowded.singles, frozenset({(1, 2), (2, 2), (3, 2)}))
     assert all(b != 2 or pin not in (1, 2, 3) for _, pin, _, b in packing.plan(banned))
+
+
+def test_offline_replay_measures_the_policy() -> None:
+    """loadtest.affinity_replay (the policy on a simulated clock, each replica's requests replayed
+    through the sim's cache) is how routing changes are compared over many seeds: it must see
+    prefix_affinity well above what spreading tenants over every replica gets."""
+    from loadtest.affinity_replay import replay
+
+    result = replay("strong", 0, 800, {}, rate=160.0, concurrency=16)
+    assert result["share"] > 0.9 and result["max_over_mean"] < 1.25
+    spread = replay("strong", 0, 800, {"epsilon": 0.01, "load_slack": 0, "grow_min_requests": 0,
+                                      "continuation_slack": 0}, rate=160.0, concurrency=16)
+    assert spread["share"] < result["share"]

@@ -140,6 +140,7 @@ class PrefixAffinity:
         if shared is not None:
             shared.rate_tau = config.load_window_s
             shared.local_rates = self.routed.snapshot
+            shared.local_tenants = self._tenant_requests
 
     def load(self, backend: Backend) -> int:
         """Instantaneous in-flight requests over all proxies (also used by the LoRA manager)."""
@@ -315,9 +316,11 @@ class PrefixAffinity:
             return
         if shared is not None and not await shared.lease("repair", 3 * cfg.rebalance_interval_s):
             return
-        plan = self._plan(candidates, now)
+        others = await shared.other_tenants() if shared is not None else None
+        share = self._fleet_share(now, others)
+        plan = self._plan(candidates, now, share)
         for pin, old, new in plan:
-            log.info("packing repair: tenant %016x (share %.3f) %s -> %s", pin, self._share(pin), old[0], new[0])
+            log.info("packing repair: tenant %016x (share %.3f) %s -> %s", pin, share(pin), old[0], new[0])
             self._came_from[pin] = (old[0], now)
             if shared is None:
                 self._set(pin, new, now)
@@ -325,8 +328,10 @@ class PrefixAffinity:
                 self._changed[pin] = now
                 self._epoch += 1
 
-    def _plan(self, candidates: Sequence[Backend], now: float) -> list[tuple[int, tuple[str], tuple[str]]]:
-        """The packing repair's changes (proxy/routing/packing.py) for the current table."""
+    def _plan(self, candidates: Sequence[Backend], now: float, share=None) -> list[tuple[int, tuple[str], tuple[str]]]:
+        """The packing repair's changes (proxy/routing/packing.py) for the current table, with
+        `share(pin)` the tenant's share of the traffic (default: of this proxy's)."""
+        share_of = share or self._share
         n = len(candidates)
         where = {b.name: i for i, b in enumerate(candidates)}
         counts, fixed = [0] * n, [0.0] * n
@@ -337,7 +342,7 @@ class PrefixAffinity:
             inside = [where[m] for m in members if m in where]
             if not inside:
                 continue
-            share = self._share(pin)
+            share = share_of(pin)
             for i in inside:
                 counts[i] += 1
             if len(inside) > 1:
@@ -483,6 +488,23 @@ class PrefixAffinity:
         share = self._share(pin)
         low = share - _GROW_SIGMAS * math.sqrt(share * (1.0 - share) / max(self._seen(time.time()), 1.0))
         return low * n >= size * self.config.grow_fill
+
+    def _tenant_requests(self, now: float) -> tuple[dict[int, float], float]:
+        """(tenant -> decayed requests routed here, all of them), published for the other proxies'
+        packing repair."""
+        down = 1.0 / self.tenant_rate.factor(now)
+        scaled = self.tenant_rate.scaled
+        return {k: v * down for k, v in scaled.items() if k is not None}, scaled.get(None, 0.0) * down
+
+    def _fleet_share(self, now: float, others: tuple[dict[int, float], float] | None):
+        """share(pin) over every proxy's requests: this proxy's counts plus the others' published ones."""
+        if not others or others[1] <= 0:
+            return self._share
+        rates, total = others
+        down = 1.0 / self.tenant_rate.factor(now)
+        scaled = self.tenant_rate.scaled
+        whole = scaled.get(None, 0.0) * down + total
+        return lambda pin: (scaled.get(pin, 0.0) * down + rates.get(pin, 0.0)) / whole
 
     def _share(self, pin: int) -> float:
         """This tenant's share of the requests routed here (decayed)."""

@@ -144,7 +144,10 @@ def worker_pids(supervisor: int) -> set[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(supervisor)], capture_output=True, text=True).stdout
     pids = set()
     for pid in map(int, out.split()):  # the spawn context also starts a resource tracker: skip it
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:  # exited between ps and here (a worker being replaced)
+            continue
         if b"resource_tracker" not in cmdline:
             pids.add(pid)
     return pids

@@ -13,6 +13,7 @@ it in `vllm_proxy_redis_up`, and reconnects by itself.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import math
 import os
@@ -135,7 +136,7 @@ class SharedState:
         self.rate_tau = 30.0
         self.local_rates: Callable[[float], dict[str, float]] | None = None  # set by the policy
         # (tenant -> decayed requests routed here, all requests) at a time; set by the policy
-        self.local_tenants: Callable[[float], tuple[dict[int, float], float]] | None = None
+        self.local_tenants: Callable[[float], tuple[dict[int, float], float] | None] | None = None
         self._tenants_at = 0.0
         # mirror of the placement hash: pin -> (members, stamp); `pins_changed` is bumped on re-read
         self.pins: dict[int, tuple[tuple[str, ...], float]] = {}
@@ -304,10 +305,13 @@ class SharedState:
         mine = {f"{self.proxy_id}|{b}": f"{n}|{now:.3f}|{rates.get(b, 0.0):.2f}" for b, n in self.local_load().items()}
         if mine:
             pipe.hset(LOAD_KEY, mapping=mine)
+        counts = None
         if self.local_tenants is not None and now - self._tenants_at >= _TENANTS_EVERY_S:
             self._tenants_at = now
-            tenants, total = self.local_tenants(now)
-            top = sorted(tenants.items(), key=lambda kv: kv[1], reverse=True)[:_TENANTS_TOP]
+            counts = self.local_tenants(now)
+        if counts is not None:
+            tenants, total = counts
+            top = heapq.nlargest(_TENANTS_TOP, tenants.items(), key=lambda kv: kv[1])
             payload = {"at": now, "total": total, "rates": {f"{p:016x}": round(r, 3) for p, r in top}}
             pipe.hset(TENANTS_KEY, self.proxy_id, orjson.dumps(payload))
         pipe.hgetall(LOAD_KEY)

@@ -67,6 +67,7 @@ _RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulator
 _CHARS_PER_TOKEN = 4  # to size a system prompt (pin blocks x block_chars) in cache tokens
 _SPILL_REPAIR_S = 0.25  # a spill brings the packing repair forward to at most this far away
 _PLACE_CHOICES = 8  # equally acceptable replicas offered to the shared table for a new tenant
+_PUBLISH_TENANTS = 16384  # tenants up to which this proxy shares its counts with the others' planner
 _GROW_SIGMAS = 2.5  # a set grows on the lower confidence bound of the tenant's share (binomial)
 
 
@@ -489,12 +490,14 @@ class PrefixAffinity:
         low = share - _GROW_SIGMAS * math.sqrt(share * (1.0 - share) / max(self._seen(time.time()), 1.0))
         return low * n >= size * self.config.grow_fill
 
-    def _tenant_requests(self, now: float) -> tuple[dict[int, float], float]:
+    def _tenant_requests(self, now: float) -> tuple[dict[int, float], float] | None:
         """(tenant -> decayed requests routed here, all of them), published for the other proxies'
-        packing repair."""
-        down = 1.0 / self.tenant_rate.factor(now)
-        scaled = self.tenant_rate.scaled
-        return {k: v * down for k, v in scaled.items() if k is not None}, scaled.get(None, 0.0) * down
+        packing repair; None past _PUBLISH_TENANTS (copying and ranking them each second would
+        stall the event loop; the planner then counts this proxy's requests out of its shares)."""
+        if len(self.tenant_rate.scaled) > _PUBLISH_TENANTS:
+            return None
+        snapshot = self.tenant_rate.snapshot(now)
+        return snapshot, snapshot.pop(None, 0.0)
 
     def _fleet_share(self, now: float, others: tuple[dict[int, float], float] | None):
         """share(pin) over every proxy's requests: this proxy's counts plus the others' published ones."""

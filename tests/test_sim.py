@@ -284,7 +284,10 @@ async def test_max_loras_makes_other_adapters_wait():
             await asyncio.sleep(0.005)
         base = asyncio.create_task(client.chat.completions.create(model=BASE, **kwargs))
         second = asyncio.create_task(client.chat.completions.create(model="b", **kwargs))
-        while len(engine.running) + len(engine.waiting) < 3:
+        deadline = time.monotonic() + 2.0
+        # all three admitted, the base request scheduled (it may sit in `waiting` for a step first)
+        while (len(engine.running) + len(engine.waiting) < 3 or None not in {r.adapter for r in engine.running}) \
+                and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         assert {r.adapter for r in engine.running} == {"a", None} and [r.adapter for r in engine.waiting] == ["b"]
         info = next(k for k in metrics(url) if k.startswith("vllm:lora_requests_info"))

@@ -138,13 +138,13 @@ def prefix_key(endpoint_is_chat: bool, data: dict[str, Any], seed: str, block: i
         text, system_end = render_prompt(data.get("prompt")), 0
     blocks = min(len(text) // block, max_blocks)
     pin_part = text[:system_end] if system_end > 0 else text[:block]
-    cache_key = (seed, block, pin_part)
-    known = _system_hashes.get(cache_key) if system_end > 0 else None
+    cache_key = (seed, block, pin_part) if system_end > 0 else None
+    known = _system_hashes.get(cache_key) if cache_key is not None else None
     if known is None:
         head = seed.encode() + b"\x00"
         first = _h(head).to_bytes(8, "little")
         known = _chain(_h(head + pin_part), (), first, pin_part, min(len(pin_part) // block, max_blocks), block)
-        if system_end > 0:
+        if cache_key is not None:
             _system_hashes.put(cache_key, known)
     pin, chain, previous = known
     if blocks > len(chain):

@@ -220,7 +220,9 @@ class SharedState:
             return None
         finally:
             self._busy -= 1
-        parsed = parse_pin(stored or args[-1])
+        if not stored:  # both scripts always return the entry in force
+            return None
+        parsed = parse_pin(stored)
         self.pins[pin] = parsed
         return parsed[0]
 
@@ -305,15 +307,13 @@ class SharedState:
         mine = {f"{self.proxy_id}|{b}": f"{n}|{now:.3f}|{rates.get(b, 0.0):.2f}" for b, n in self.local_load().items()}
         if mine:
             pipe.hset(LOAD_KEY, mapping=mine)
-        counts = None
         if self.local_tenants is not None and now - self._tenants_at >= _TENANTS_EVERY_S:
             self._tenants_at = now
             counts = self.local_tenants(now)
-        if counts is not None:
-            tenants, total = counts
-            top = heapq.nlargest(_TENANTS_TOP, tenants.items(), key=lambda kv: kv[1])
-            payload = {"at": now, "total": total, "rates": {f"{p:016x}": round(r, 3) for p, r in top}}
-            pipe.hset(TENANTS_KEY, self.proxy_id, orjson.dumps(payload))
+            if counts is not None:
+                top = heapq.nlargest(_TENANTS_TOP, counts[0].items(), key=lambda kv: kv[1])
+                payload = {"at": now, "total": counts[1], "rates": {f"{p:016x}": round(r, 3) for p, r in top}}
+                pipe.hset(TENANTS_KEY, self.proxy_id, orjson.dumps(payload))
         pipe.hgetall(LOAD_KEY)
         pipe.get(PINS_VERSION)
         results = await asyncio.wait_for(pipe.execute(), max(self.timeout * 4, 0.5))

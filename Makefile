@@ -17,7 +17,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/vllm-proxy demo
 
-redis:
+redis:  # installs redis-server if missing; tests start their own on a free port
 	@sh deploy/ensure-redis.sh
 
 test: $(STAMP) redis

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from loadtest.affinity_bound import pooled_hit_rate, token_hit_rate
 from loadtest.affinity_client import run_load
-from loadtest.affinity_fleet import (PEERS, Fleet, SimSettings, check_policy, flush_redis,
+from loadtest.affinity_fleet import (PEERS, Fleet, SimSettings, check_policy,
                                      peer_available)
 from loadtest.affinity_workload import SHAPES, Workload, WorkloadSpec, generate, prompt_tokens, system_blocks
 
@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--time-scale", type=float, default=1.0)
     add("--max-num-seqs", type=int, help="per-replica batch limit (default: 2 x concurrency / replicas), so "
         "piling load on one replica costs queueing")
-    add("--redis", default="redis://127.0.0.1:6379/5", help="Redis DB shared by proxy instances; flushed per cell")
+    add("--redis", default="", help="Redis DB shared by proxy instances, FLUSHED per cell (opt-in: someone's "
+        "data may live there); default: a private redis-server per cell on a free port")
     add("--peers-venv", default="/tmp/peers-venv")
     add("--quick", action="store_true", help="600 requests per cell")
     add("--json", help="write all results to this file")
@@ -117,7 +118,7 @@ def usable_policies(args: argparse.Namespace, tmp: Path) -> list[str]:
         if peer in PEERS:
             why = peer_available(peer, args.peers_venv)
         else:
-            why = check_policy(policy, tmp, args.redis)
+            why = check_policy(policy, tmp, args.redis or "redis://127.0.0.1:1/0")
         if why:
             print(f"[skip] policy {policy}: {why.splitlines()[-1] if why else ''}", file=sys.stderr)
         else:
@@ -138,8 +139,7 @@ def run_cell(shape: str, workload: Workload, sizing: dict, policy: str, routers:
         if peer in PEERS:
             fleet.start_peers(routers, peer, peer_policy, args.peers_venv)
         else:
-            flush_redis(args.redis)
-            fleet.start_proxies(routers, policy, args.redis)
+            fleet.start_proxies(routers, policy, fleet.redis_url(args.redis))
         before = fleet.replica_counters()
         load = asyncio.run(run_load(workload, fleet.routers, args.concurrency))
         after = fleet.replica_counters()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import orjson
 
+from loadtest.private_redis import PrivateRedis
 from loadtest.procs import Proc, spawn, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +59,7 @@ class Fleet:
     procs: list[Proc] = field(default_factory=list)
     replicas: list[str] = field(default_factory=list)  # base URLs
     routers: list[str] = field(default_factory=list)  # base URLs clients use
+    redis: PrivateRedis | None = None
 
     def __enter__(self) -> "Fleet":
         return self
@@ -66,6 +68,18 @@ class Fleet:
         for p in reversed(self.procs):
             p.stop()
         self.procs.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def redis_url(self, given: str = "") -> str:
+        """`given` (flushed: the user opted in) or a fresh private redis-server for this cell."""
+        if given:
+            flush_redis(given)
+            return given
+        if self.redis is None:
+            self.redis = PrivateRedis().start()
+        return self.redis.url
 
     def spawn(self, name: str, cmd: list[str]) -> Proc:
         proc = spawn(name, cmd, self.tmp)

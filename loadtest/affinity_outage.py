@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,37 +23,11 @@ from pathlib import Path
 from loadtest import affinity
 from loadtest.affinity_bound import pooled_hit_rate, token_hit_rate
 from loadtest.affinity_client import LoadResult, run_load
-from loadtest.affinity_fleet import Fleet, SimSettings, free_port
+from loadtest.affinity_fleet import Fleet, SimSettings
+from loadtest.private_redis import PrivateRedis
 from loadtest.affinity_workload import Workload
 
 PHASES = ("before", "outage", "after")
-
-
-class PrivateRedis:
-    """A throwaway redis-server that can be killed and started again on the same port."""
-
-    def __init__(self) -> None:
-        self.exe = shutil.which("redis-server")
-        if self.exe is None:
-            raise SystemExit("redis-server not found (apt-get install redis-server)")
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).stdout.strip() != b"PONG":
-            if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
 
 
 def run(workload: Workload, sizing: dict, args, outage: bool, tmp: Path) -> dict:
@@ -96,7 +68,7 @@ def run(workload: Workload, sizing: dict, args, outage: bool, tmp: Path) -> dict
             snapshots.append(fleet.replica_counters())
             errors_at.append(out.errors)
     finally:
-        redis.kill()
+        redis.stop()
     if len(snapshots) != 4:
         raise RuntimeError("the load ended before every phase mark was reached")
     bodies = [workload.turns[i].body(spec) for i in out.sent_order]

@@ -234,9 +234,9 @@ def run_affinity(argv: list[str], ctx: dict, prog: Progress) -> dict:
                                (["--policies", ctx["affinity_policies"]] if ctx["affinity_policies"] else []))
     if args.max_num_seqs is None:  # as affinity.main does
         args.max_num_seqs = max(2, math.ceil(2 * args.concurrency / args.replicas))
-    why = redis_reachable(args.redis)
+    why = redis_reachable(args.redis) if args.redis else None  # default: a private redis-server per cell
     if why:
-        raise RuntimeError(f"Redis at {args.redis} is not reachable ({why}); start one (make redis)")
+        raise RuntimeError(f"Redis at {args.redis} is not reachable ({why})")
     tmp = Path(tempfile.mkdtemp(prefix="report-affinity-"))
     policies = affinity.usable_policies(args, tmp)
     counts = [int(x) for x in args.proxies.split(",") if x.strip()]

@@ -18,6 +18,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from loadtest.private_redis import PrivateRedis
+
 HOST, MODEL = "127.0.0.1", "soak/llama-8b"
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "alpha beta gamma delta kernel cache token route replica shard query index tensor batch".split()
@@ -48,11 +50,11 @@ def wait_http(url: str, procs: list[subprocess.Popen], timeout: float = 30) -> N
     raise SystemExit(f"soak: {url} did not answer 200 (a child exited, or {timeout:.0f} s passed)")
 
 
-def redis_url(url: str = "redis://127.0.0.1:6379/6") -> str | None:
+def private_redis() -> PrivateRedis | None:
+    """A redis-server of the soak's own (never one it did not start), or None without redis-server."""
     try:
-        return url if subprocess.run(["redis-cli", "-u", url, "ping"], capture_output=True, text=True,
-                                     timeout=3).stdout.strip() == "PONG" else None
-    except (OSError, subprocess.SubprocessError):
+        return PrivateRedis().start()
+    except RuntimeError:
         return None
 
 
@@ -230,6 +232,7 @@ def main() -> int:
             procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         return procs[-1]
 
+    redis = None
     try:
         ports = [free_port() for _ in range(args.replicas + 1)]
         for i, port in enumerate(ports[1:]):
@@ -240,8 +243,9 @@ def main() -> int:
         config = {"server": {"host": HOST, "port": ports[0], "max_body_bytes": 1048576},
                   "backends": [{"name": f"sim-{i}", "url": f"http://{HOST}:{pt}"} for i, pt in enumerate(ports[1:])],
                   "routing": {"policy": "prefix_affinity"}}
-        if url := redis_url():
-            config["redis"] = {"url": url}
+        if redis := private_redis():
+            config["redis"] = {"url": redis.url}
+        url = redis.url if redis else None
         (tmp / "soak.yaml").write_text(json.dumps(config, indent=1))  # JSON is YAML
         proxy = spawn("proxy", py + ["serve", "--config", str(tmp / "soak.yaml")])
         base = f"http://{HOST}:{ports[0]}"
@@ -274,6 +278,8 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        if redis:
+            redis.stop()
         if passed:  # keep the logs only when something went wrong
             shutil.rmtree(tmp, ignore_errors=True)
 

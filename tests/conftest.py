@@ -10,6 +10,7 @@ from proxy.config import parse_config
 from proxy.server import ProxyProtocol
 from proxy.sim.app import create_app
 from proxy.sim.config import SimConfig
+from loadtest.private_redis import PrivateRedis
 from tests.support import ServerThread
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -51,6 +52,25 @@ def servers() -> Iterator[Servers]:
     s = Servers()
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def private_redis() -> Iterator[PrivateRedis]:
+    """A redis-server of the suite's own (free port, temporary dir); never one on 6379."""
+    with PrivateRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(private_redis: PrivateRedis) -> Iterator[str]:
+    """Database 0 of the suite's own Redis, empty before and after the test."""
+    import redis
+
+    client = redis.Redis.from_url(private_redis.url)
+    client.flushdb()
+    yield private_redis.url
+    client.flushdb()
+    client.close()
 
 
 @pytest.fixture

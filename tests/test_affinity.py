@@ -166,23 +166,20 @@ def test_conversation_follows_its_earlier_turns_while_its_tenant_is_there() -> N
     assert pick(policy, bs, chat_request(tenant(3), *one, "answer " * 10, "again")) == (moved, "prefix-hit")
 
 
-REDIS_URL = "redis://127.0.0.1:6379/9"
-
-
 @pytest.fixture
-def redis_db():
-    client = redis.Redis.from_url(REDIS_URL)
-    client.flushdb()
+def redis_db(redis_url: str):
+    """A client of the suite's own Redis (tests/conftest.py), emptied around each test."""
+    client = redis.Redis.from_url(redis_url)
     yield client
-    client.flushdb()
+    client.close()
 
 
-def test_proxies_share_continuations_through_redis(servers: Servers, redis_db) -> None:
+def test_proxies_share_continuations_through_redis(servers: Servers, redis_db, redis_url) -> None:
     """Proxy A routes a conversation; proxy B (another process in production) sends its
     continuation to the same replica, even when that is not the key's rendezvous home."""
     sims = [servers.sim() for _ in range(3)]
     # one tenant is all the traffic here: a large load slack keeps the bound from spreading it
-    config = {"redis": {"url": REDIS_URL}, "routing": {"prefix_affinity": {"block_chars": 64, "load_slack": 100}}}
+    config = {"redis": {"url": redis_url}, "routing": {"prefix_affinity": {"block_chars": 64, "load_slack": 100}}}
     a = servers.proxy_for(*sims, **config)
     b = servers.proxy_for(*sims, **config)
     assert eventually(lambda: redis_db.hlen("vp:load") >= 6)
@@ -222,7 +219,7 @@ def test_explain_headers_can_be_switched_off(servers: Servers) -> None:
     assert resp.headers["x-request-id"]
 
 
-def test_shared_growth_is_compare_and_set_and_connections_are_bounded(redis_db) -> None:
+def test_shared_growth_is_compare_and_set_and_connections_are_bounded(redis_db, redis_url) -> None:
     """Proxies placing new tenants at once do not stack them on one replica; two proxies growing
     one tenant at once agree on a single new member; a burst of lookups
     opens at most `max_connections` Redis connections and degrades to local state, not to errors."""
@@ -230,8 +227,8 @@ def test_shared_growth_is_compare_and_set_and_connections_are_bounded(redis_db) 
 
     async def scenario() -> None:
         # generous timeouts: on a loaded CI machine a 50 ms socket timeout would mark Redis down
-        a = SharedState(REDIS_URL, local_load=dict, max_connections=4, timeout_s=0.5)
-        b = SharedState(REDIS_URL, local_load=dict, max_connections=4, timeout_s=0.5)
+        a = SharedState(redis_url, local_load=dict, max_connections=4, timeout_s=0.5)
+        b = SharedState(redis_url, local_load=dict, max_connections=4, timeout_s=0.5)
         a.up = b.up = True
         try:
             assert await a.place(42, [("gpu-0", 0)]) == ("gpu-0",)
@@ -257,14 +254,14 @@ def test_shared_growth_is_compare_and_set_and_connections_are_bounded(redis_db) 
     asyncio.run(scenario())
 
 
-def test_packing_repair_sees_every_proxys_tenant_counts(redis_db) -> None:
+def test_packing_repair_sees_every_proxys_tenant_counts(redis_db, redis_url) -> None:
     """With N proxies each sees 1/N of a tenant's requests: a light tenant may show none at the
     proxy that plans. Each proxy publishes its tenants' counts; the planner adds the others'."""
     from proxy.shared import SharedState
 
     async def scenario() -> None:
-        a = SharedState(REDIS_URL, local_load=dict, timeout_s=0.5)
-        b = SharedState(REDIS_URL, local_load=dict, timeout_s=0.5)
+        a = SharedState(redis_url, local_load=dict, timeout_s=0.5)
+        b = SharedState(redis_url, local_load=dict, timeout_s=0.5)
         a.up = b.up = True
         a.local_tenants = lambda now: ({7: 30.0, 8: 10.0}, 40.0)
         try:
@@ -285,13 +282,13 @@ def test_packing_repair_sees_every_proxys_tenant_counts(redis_db) -> None:
     asyncio.run(scenario())
 
 
-def test_placements_survive_a_redis_restart(redis_db) -> None:
+def test_placements_survive_a_redis_restart(redis_db, redis_url) -> None:
     """A Redis that comes back empty gets the proxies' mirrored placements back (so tenants keep
     their replicas and caches); an entry another proxy already wrote is not overwritten."""
     from proxy.shared import PINS_KEY, SharedState, format_pin, parse_pin
 
     async def scenario() -> None:
-        a = SharedState(REDIS_URL, local_load=dict)
+        a = SharedState(redis_url, local_load=dict)
         try:
             a.pins.update({42: (("gpu-0", "gpu-1"), time.time()), 7: (("gpu-3",), time.time())})
             redis_db.hset(PINS_KEY, f"{7:016x}", format_pin(("gpu-2",), time.time()))  # written meanwhile

@@ -3,14 +3,12 @@ Redis dying mid-run, and a storm of client disconnects. Clients must not notice.
 from __future__ import annotations
 
 import concurrent.futures
-import shutil
 import socket
-import subprocess
 import time
 
 import httpx
-import pytest
 
+from loadtest.private_redis import PrivateRedis
 from tests.conftest import MODEL, Servers, eventually, sim_of
 
 CHAT = "/v1/chat/completions"
@@ -100,36 +98,24 @@ def test_slow_replica(servers: Servers) -> None:
     assert sim_of(sims[0]).stats()["completed"] < 40  # least-loaded steered around it
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 def test_redis_stopped_mid_run(servers: Servers) -> None:
-    port = free_port()
-    redis = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-                             stdout=subprocess.DEVNULL)
+    redis = PrivateRedis().start()
     try:
         sims = [servers.sim() for _ in range(3)]
-        proxy = servers.proxy_for(*sims, redis={"url": f"redis://127.0.0.1:{port}/0"})
+        proxy = servers.proxy_for(*sims, redis={"url": redis.url})
         up = lambda: 'vllm_proxy_redis_up 1.0' in httpx.get(proxy.url + "/metrics").text  # noqa: E731
-        assert eventually(up, timeout=5)
+        assert eventually(up, timeout=30)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             first = pool.map(lambda i: ask(proxy.url, i), range(100))
             redis.kill()
-            redis.wait()
             second = list(pool.map(lambda i: ask(proxy.url, i), range(100, 200)))
         assert [r for r in [*first, *second] if r[0] != 200] == []
-        assert eventually(lambda: not up(), timeout=5)
-        redis = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-                                 stdout=subprocess.DEVNULL)
-        assert eventually(up, timeout=10)  # reconnects by itself
+        assert eventually(lambda: not up(), timeout=30)
+        redis.start()
+        assert eventually(up, timeout=30)  # reconnects by itself
         assert all(ask(proxy.url, i)[0] == 200 for i in range(20))
     finally:
-        redis.kill()
-        redis.wait()
+        redis.stop()
 
 
 def test_storm_of_client_disconnects(servers: Servers) -> None:

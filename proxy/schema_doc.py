@@ -20,13 +20,15 @@ START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
 def _type_name(annotation: object) -> str:
-    text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
+    # on 3.10 a parametrised builtin (list[str]) is also an instance of `type`: spell it out
+    plain = isinstance(annotation, type) and typing.get_origin(annotation) is None
+    text = annotation.__name__ if plain else repr(annotation)
     text = re.sub(r"\b(typing|proxy\.config)\.", "", text)
     return text.replace("NoneType", "null").replace("|", " \\| ")
 
 
 def _model_of(annotation: object) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+    if isinstance(annotation, type) and typing.get_origin(annotation) is None and issubclass(annotation, BaseModel):
         return annotation
     for arg in typing.get_args(annotation):
         found = _model_of(arg)

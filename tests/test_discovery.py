@@ -85,8 +85,8 @@ class Load:
     """Streaming chat completions from `workers` threads until stopped; counts successes and
     keeps every failure."""
 
-    def __init__(self, url: str, workers: int = 8) -> None:
-        self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    def __init__(self, url: str, workers: int = 8, api_key: str = "unused") -> None:
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=30)
         self.ok = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
@@ -407,3 +407,44 @@ def test_dns_srv_records(fleet: Fleet, records: Records) -> None:
     assert eventually(lambda: fleet.routed() == {f"srv/127.0.0.1:{s.port}" for s in sims}, WAIT)
     records.srv["_http._tcp.vllm"] = [("vllm-1.vllm", sims[1].port)]
     assert eventually(lambda: fleet.routed() == {f"srv/127.0.0.1:{sims[1].port}"}, WAIT)
+
+
+# -- the deploy kit's policy, run against the stand-in ------------------------------------------
+
+def test_the_kit_policy_discovers_its_fleet(fleet: Fleet, monkeypatch) -> None:
+    """deploy/k8s/base/policy.yaml as the proxy pods run it (only the API server address and Redis
+    differ): EndpointSlices of both Services, keys from env vars, auth on, images to the vision
+    replicas only."""
+    import yaml
+
+    from tests.test_deploy_kit import BASE, VISION_MODEL
+
+    policy = yaml.safe_load((BASE / "policy.yaml").read_text())
+    policy.pop("redis")
+    for source in policy["backends_from"]:
+        source["kubernetes"]["api_server"] = None  # set below, once the stand-in runs
+    monkeypatch.setenv("VLLM_PROXY_CLIENT_KEY", "client-secret")
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-secret")
+    api = KubeApiStandIn()
+    server = fleet.start(ServerThread(api))
+    for source in policy["backends_from"]:
+        source["kubernetes"]["api_server"] = server.url
+    text = fleet.start(ServerThread(create_app(SimConfig(model=MODEL, api_key="vllm-secret", time_scale=0.0))))
+    vision = fleet.start(ServerThread(create_app(SimConfig(
+        model=VISION_MODEL, api_key="vllm-secret", trust_request_mm_kwargs=True, time_scale=0.0))))
+    api.put(SLICES, endpoint_slice("vllm-abc", "vllm", text.port, [("vllm-0", "127.0.0.1", True, False)]))
+    api.put(SLICES, endpoint_slice("vllm-mm-abc", "vllm-mm", vision.port, [("vllm-mm-0", "127.0.0.1", True, False)]))
+    policy["server"] = {**policy["server"], "host": "127.0.0.1", "port": 0}
+    fleet.proxy(policy)
+    assert eventually(lambda: fleet.routed() == {"vllm/vllm-0", "vllm-mm/vllm-mm-0"}, WAIT)
+    url = fleet.running[-1].url + "/v1"
+    client = openai.OpenAI(base_url=url, api_key="client-secret", max_retries=0)
+    reply = client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert reply.choices[0].message.content
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    client.chat.completions.create(model="qwen-vl", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, image]}], max_tokens=2)
+    assert served(text) == 1 and sim_of(vision).stats()["requests"][VISION_MODEL] == 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).chat.completions.create(
+            model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)

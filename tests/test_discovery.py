@@ -5,6 +5,7 @@ Load runs through the official openai SDK with its retries off (max_retries=0), 
 a client could see counts."""
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -77,6 +78,32 @@ def test_pod_and_slice_readiness() -> None:
     found = {f.key: (f.host, f.port, f.ready) for f in slice_replicas(slices, "http", "vllm-proxy.io/")}
     assert found == {"p0": ("10.0.0.1", 8000, True), "p1": ("10.0.0.2", 8000, False),
                      "p2": ("10.0.0.3", 8000, False), "10.0.0.4": ("10.0.0.4", 8000, True)}
+
+
+async def test_fleet_reconciles_and_skips_a_malformed_replica() -> None:
+    """Ready replicas join after a successful probe, unready ones are parked, vanished ones retire;
+    a replica whose settings do not validate is skipped, the others are not."""
+    from proxy.discovery.fleet import Fleet as Registry, Found
+
+    backends: list[Backend] = []
+    changes, retired = [], []
+
+    async def probe(b: Backend) -> None:
+        b.healthy = True
+
+    registry = Registry(backends, lambda: changes.append(1), probe, lambda b: None, retired.append, entry_window_s=1.0)
+    source = BackendSource.model_validate({"name": "s", "dns": {"host": "h", "port": 1}})
+    registry.update(source, [Found("a", "10.0.0.1", 80, True), Found("b", "10.0.0.2", 80, False),
+                             Found("bad", "10.0.0.3", 80, True, {"models": [1]})])
+    assert [b.name for b in backends] == ["s/a"] and set(registry.known) == {"s/a", "s/b"}
+    await asyncio.wait_for(asyncio.gather(*registry._probes.values()), WAIT)
+    assert backends[0].healthy and backends[0].url == "http://10.0.0.1:80"
+    registry.update(source, [Found("a", "10.0.0.1", 80, False), Found("b", "10.0.0.2", 80, True)])
+    assert [b.name for b in backends] == ["s/b"] and not registry.known["s/a"].healthy
+    await asyncio.wait_for(asyncio.gather(*registry._probes.values()), WAIT)
+    registry.update(source, [Found("b", "fd00::2", 80, True)])  # same pod, new address: a new replica
+    assert [r.name for r in retired] == ["s/a", "s/b"] and backends[0].url == "http://[fd00::2]:80"
+    await registry.stop()
 
 
 # -- servers ------------------------------------------------------------------------------------
@@ -448,3 +475,28 @@ def test_the_kit_policy_discovers_its_fleet(fleet: Fleet, monkeypatch) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).chat.completions.create(
             model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_a_dns_outage_keeps_the_fleet(fleet: Fleet, records: Records) -> None:
+    """A resolver that stops answering changes nothing."""
+    sim = fleet.sim()
+    records.srv["_http._tcp.vllm"] = [("vllm-0.vllm", sim.port)]
+    records.a["vllm-0.vllm"] = ["127.0.0.1"]
+    fleet.proxy({"backends": [], "backends_from": [{"name": "srv", "dns": {
+        "host": "_http._tcp.vllm", "record": "SRV", "interval_s": 0.2, "timeout_s": 0.3, "nameservers": [records.address]}}]})
+    assert eventually(lambda: fleet.routed() == {f"srv/127.0.0.1:{sim.port}"}, WAIT)
+    records.stop()  # no answers at all now: every resolution times out
+    source = fleet.app.runtime.sources[0]
+    failures_seen = threading.Event()
+    original = source.resolve
+
+    async def counting_resolve():
+        try:
+            return await original()
+        except Exception:
+            failures_seen.set()
+            raise
+
+    source.resolve = counting_resolve
+    assert failures_seen.wait(WAIT)
+    assert fleet.routed() == {f"srv/127.0.0.1:{sim.port}"}

@@ -59,13 +59,15 @@ class DnsDiscovery:
         return found
 
     async def sync(self) -> None:
-        self.fleet.update(self.source, await self.resolve())
+        try:
+            found = await self.resolve()
+        except dns.exception.DNSException as exc:  # timeout, SERVFAIL, no nameserver: keep the known set
+            log.warning("source %s: DNS resolution failed, keeping %s: %s", self.source.name, self.config.host, exc)
+            return
+        self.fleet.update(self.source, found)
 
     async def start(self) -> None:
-        try:
-            await self.sync()
-        except Exception as exc:  # the loop below keeps trying
-            log.warning("source %s: first DNS resolution failed: %s", self.source.name, exc or type(exc).__name__)
+        await self.sync()
         self._loop.every(self.config.interval_s, self.sync, f"source {self.source.name}: DNS resolution", log, wait_first=True)
 
     async def stop(self) -> None:

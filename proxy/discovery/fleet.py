@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from pydantic import ValidationError
+
 from proxy.config import BackendConfig, BackendSource
 from proxy.routing.backends import Backend
 
@@ -62,7 +64,11 @@ class Fleet:
         prefix = source.name + "/"
         wanted: dict[str, tuple[BackendConfig, bool]] = {}
         for f in found:
-            config = self._config(source, f)
+            try:
+                config = self._config(source, f)
+            except ValidationError as exc:  # e.g. a malformed annotation: skip this replica, keep the rest
+                log.warning("source %s: replica %s skipped: %s", source.name, f.key, exc.errors()[0]["msg"])
+                continue
             ready = f.ready or (config.name in wanted and wanted[config.name][1])
             wanted[config.name] = (config, ready)
         changed = False

@@ -82,6 +82,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         served = ", ".join(b.models) if b.models else "discovered"
         extra = " [trusts request mm kwargs]" if b.trust_request_mm_kwargs else ""
         print(f"  backend {b.name}: {b.url} (models: {served}){extra}")
+    for src in config.backends_from:
+        k8s = src.kubernetes
+        where = (f"DNS {src.dns.record} {src.dns.host}" if src.dns else
+                 f"Kubernetes {'EndpointSlices of service ' + k8s.service if k8s.service else 'pods ' + str(k8s.selector)}")
+        print(f"  backends from {src.name}: {where}")
     for d in config.deployments or []:
         target = d.model + (f" + adapter {d.adapter}" if d.adapter else "")
         print(f"  deployment {d.name} -> {target}")

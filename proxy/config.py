@@ -1,6 +1,7 @@
 """The YAML policy schema: typed, strict (unknown keys are errors), with key-path error messages."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -57,16 +58,37 @@ class ServerConfig(Strict):
     drain_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, how long in-flight requests may finish")
 
 
-class BackendConfig(Strict):
-    """One vLLM replica. `models`/`adapters` pin what it serves; unset, they are discovered."""
+class BackendSettings(Strict):
+    """What a replica serves and how to reach it; `models`/`adapters` pin it, unset they are discovered."""
 
-    name: str = Field(min_length=1)
-    url: str
     models: list[str] | None = None
     adapters: list[str] | None = None
     trust_request_mm_kwargs: bool = False
     api_key: str | None = Field(None, description="sent upstream as Authorization: Bearer (vLLM --api-key)")
+    api_key_env: str | None = Field(None, description="env var holding that key (e.g. from a Kubernetes Secret)")
+    api_key_file: str | None = Field(None, description="file holding that key (e.g. a mounted Secret)")
     max_in_flight: int | None = Field(None, ge=1, description="admission limit; further requests queue")
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> "BackendSettings":
+        if sum(x is not None for x in (self.api_key, self.api_key_env, self.api_key_file)) > 1:
+            raise ValueError("give at most one of api_key, api_key_env, api_key_file")
+        return self
+
+    def upstream_key(self) -> str | None:
+        """The key to send upstream, read from the env var or file when named (at Backend build)."""
+        if self.api_key_env is not None:
+            return os.environ.get(self.api_key_env, "").strip() or None
+        if self.api_key_file is not None:
+            return Path(self.api_key_file).read_text(encoding="utf-8").strip() or None
+        return self.api_key
+
+
+class BackendConfig(BackendSettings):
+    """One vLLM replica. `models`/`adapters` pin what it serves; unset, they are discovered."""
+
+    name: str = Field(min_length=1)
+    url: str
 
     @field_validator("url")
     @classmethod
@@ -77,6 +99,64 @@ class BackendConfig(Strict):
         if value.endswith("/v1"):
             raise ValueError("give the base URL without /v1")
         return value
+
+
+class DnsSource(Strict):
+    """Replicas from DNS: a headless Service's A/AAAA records (with `port`) or its SRV records,
+    re-resolved every `interval_s`."""
+
+    host: str = Field(min_length=1, description="name to resolve, e.g. vllm.vllm.svc.cluster.local")
+    record: Literal["A", "AAAA", "SRV"] = Field("A", description="SRV gives ports too; A/AAAA need `port`")
+    port: int | None = Field(None, ge=1, le=65535)
+    interval_s: float = Field(5.0, gt=0, description="re-resolution period")
+    timeout_s: float = Field(2.0, gt=0)
+    nameservers: list[str] | None = Field(None, description="ip or ip:port; unset = the system resolver's")
+
+    @model_validator(mode="after")
+    def _port(self) -> "DnsSource":
+        if self.record != "SRV" and self.port is None:
+            raise ValueError(f"record {self.record} needs `port`")
+        return self
+
+
+class KubernetesSource(Strict):
+    """Replicas from the Kubernetes API: the EndpointSlices of a Service, or pods by label selector,
+    kept by list + watch. Needs get/list/watch on endpointslices (or pods) in `namespace`."""
+
+    namespace: str | None = Field(None, description="unset = the proxy's own (service-account) namespace")
+    service: str | None = Field(None, description="watch this Service's EndpointSlices")
+    selector: str | None = Field(None, description="or watch pods with this label selector, e.g. app=vllm")
+    port: int | str | None = Field(None, description="port number or name; unset = the first port")
+    api_server: str | None = Field(None, description="unset = in-cluster (service-account token and CA)")
+    watch_timeout_s: int = Field(300, ge=1, description="server-side lifetime of one watch request")
+    annotation_prefix: str = Field(
+        "vllm-proxy.io/", description="labels/annotations <prefix>models, <prefix>adapters (comma lists), "
+        "<prefix>trust-request-mm-kwargs (true) on the pod (selector) or Service (service) override `backend`"
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "KubernetesSource":
+        if (self.service is None) == (self.selector is None):
+            raise ValueError("give exactly one of service, selector")
+        return self
+
+
+class BackendSource(Strict):
+    """A set of replicas that changes at runtime (proxy/discovery/). Names are `<name>/<pod or address>`.
+    A replica enters after its first successful health check; one that turns not ready, terminating
+    or disappears gets no new requests, and its requests in flight finish."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    scheme: Literal["http", "https"] = "http"
+    dns: DnsSource | None = None
+    kubernetes: KubernetesSource | None = None
+    backend: BackendSettings = Field(BackendSettings(), description="settings of every replica found")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "BackendSource":
+        if (self.dns is None) == (self.kubernetes is None):
+            raise ValueError("give exactly one of dns, kubernetes")
+        return self
 
 
 class MediaUrlPolicy(Strict):
@@ -273,7 +353,8 @@ class LoggingConfig(Strict):
 
 class ProxyConfig(Strict):
     server: ServerConfig = ServerConfig()
-    backends: list[BackendConfig] = Field(min_length=1)
+    backends: list[BackendConfig] = Field(description="static replicas; may be [] when `backends_from` is set")
+    backends_from: list[BackendSource] = []
     deployments: list[DeploymentConfig] | None = None
     routing: RoutingConfig = RoutingConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
@@ -286,7 +367,10 @@ class ProxyConfig(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "ProxyConfig":
+        if not self.backends and not self.backends_from:
+            raise ValueError("backends: give at least one backend, or set backends_from")
         _unique("backends", [b.name for b in self.backends])
+        _unique("backends_from", [s.name for s in self.backends_from])
         _unique("backends", [b.url for b in self.backends], what="url")
         if self.deployments:
             _unique("deployments", [d.name for d in self.deployments])

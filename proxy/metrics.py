@@ -295,6 +295,14 @@ class Metrics:
             self._children[key] = found
         return found
 
+    def forget(self, family, *labels: str) -> None:
+        """Drop a labelled series of a state gauge (a discovered replica that left for good)."""
+        self._children.pop((id(family), labels), None)
+        try:
+            family.remove(*labels)
+        except KeyError:
+            pass
+
     def time_streams_for_access_log(self, wanted: bool) -> None:
         """With metrics off, streams are timed only for an access log (set on every (re)load)."""
         self.discard = self._discard_sink if wanted else None

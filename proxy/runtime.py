@@ -5,6 +5,8 @@ import logging
 
 from proxy.auth import Authenticator
 from proxy.config import ProxyConfig
+from proxy.discovery.fleet import Fleet
+from proxy.discovery.sources import make_source
 from proxy.forward import Upstream
 from proxy.health import Discovery
 from proxy.lora import LoraManager
@@ -58,6 +60,12 @@ class Runtime:
         self.multimodal = MultimodalGate(
             config, lambda deployment, decision: self.metrics.child(self.metrics.multimodal, deployment, decision).inc()
         )
+        # replicas from backends_from (proxy/discovery/): added to and removed from self.backends
+        self.fleet = Fleet(
+            self.backends, self.rebuild_catalog, self.discovery.poll, self._health_changed, self._retired,
+            entry_window_s=config.discovery.interval_s, adopt=previous.fleet.known if previous else None,
+        )
+        self.sources = [make_source(s, self.fleet) for s in config.backends_from]
         self.scraper = None
         if config.metrics.scrape_backends:
             self.scraper = BackendScraper(lambda: self.upstream.session, self.backends, config.discovery, self.metrics)
@@ -83,6 +91,10 @@ class Runtime:
     def _health_changed(self, backend: Backend) -> None:
         self.metrics.child(self.metrics.backend_up, backend.name).set(1 if backend.healthy else 0)
 
+    def _retired(self, backend: Backend) -> None:
+        """A discovered replica is gone for good: drop its per-backend series."""
+        self.metrics.forget(self.metrics.backend_up, backend.name)
+
     def ready(self) -> bool:
         return any(b.healthy for b in self.backends)
 
@@ -92,6 +104,8 @@ class Runtime:
             self.metrics.start()
         for backend in self.backends:
             self._health_changed(backend)
+        for source in self.sources:
+            await source.start()
         await self.discovery.poll_all()
         self.discovery.start()
         self.lora.start()
@@ -105,6 +119,9 @@ class Runtime:
         )
 
     async def stop(self) -> None:
+        for source in self.sources:
+            await source.stop()
+        await self.fleet.stop()
         await self.lora.stop()
         await self.discovery.stop()
         if self.scraper is not None:

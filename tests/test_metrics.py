@@ -486,7 +486,7 @@ def test_two_workers_count_every_request(servers: Servers, tmp_path: Path) -> No
 def test_grafana_dashboard_uses_these_metrics() -> None:
     import re
 
-    dashboard = orjson.loads((ROOT / "deploy" / "grafana" / "vllm-proxy.json").read_bytes())
+    dashboard = orjson.loads((ROOT / "deploy" / "k8s" / "components" / "monitoring" / "vllm-proxy.json").read_bytes())
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]

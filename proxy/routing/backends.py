@@ -35,13 +35,14 @@ class Backend:
         self.adapter_epoch = 0
         self.adapter_ops = 0
         self.headers = {"Content-Type": "application/json"}
-        if config.api_key:
-            self.headers["Authorization"] = f"Bearer {config.api_key}"
+        api_key = config.upstream_key()  # plaintext, or read from the env var / file it names
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
         # the data path's pre-formatted request heads (proxy/http1.py), one per endpoint
         parts = urlsplit(config.url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         self.origin = (parts.scheme, parts.hostname, port)
-        auth = f"Authorization: Bearer {config.api_key}\r\n" if config.api_key else ""
+        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
         base = parts.path.rstrip("/")
         self.heads = {
             e: f"POST {base}{e} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n{auth}".encode("latin-1")

@@ -359,9 +359,11 @@ def load_config(path: str | Path) -> ProxyConfig:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(source, [f"cannot read file: {exc.strerror}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(source, [f"not UTF-8 text: {exc.reason} at byte {exc.start}"]) from None
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: e.g. a date like 2020-13-01
         raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
     if not isinstance(data, dict):
         raise ConfigError(source, ["(top level): must be a mapping with at least `backends`"])

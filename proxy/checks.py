@@ -79,8 +79,8 @@ def _served(config: ProxyConfig, found: Findings) -> None:
         elif d.name not in unchecked:
             unchecked.append(d.name)
     if unchecked:
-        found.warnings.append(f"deployments: {', '.join(unchecked)}: served only if the running backends report "
-                              "them (backends without `models`/`adapters` are discovered; not checked here)")
+        found.warnings.append(f"deployments: {', '.join(unchecked)}: not checked against the backends (those "
+                              "without `models`/`adapters` report what they serve at runtime)")
     for i, b in enumerate(backends):
         for j, adapter in enumerate(b.adapters or ()):
             if adapter not in used_adapters:

@@ -161,9 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(sim)
     sim.set_defaults(func=cmd_sim)
 
-    demo = sub.add_parser("demo", help="a simulated fleet plus the proxy on policies/demo.yaml")
-    demo.add_argument("--config", default=None, help="default: policies/demo.yaml")
+    demo = sub.add_parser("demo", help="a simulated fleet plus the proxy on the demo policy")
+    demo.add_argument("--config", default=None, help="default: policies/demo.yaml (shipped in the package)")
     demo.add_argument("--time-scale", type=float, default=0.2, help="speed of the simulated GPUs (1 = realistic)")
+    demo.add_argument("--port", type=int, default=None,
+                      help="proxy port; the replicas take the next ones (default: the policy's ports)")
     demo.set_defaults(func=cmd_demo)
     return parser
 

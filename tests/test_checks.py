@@ -79,7 +79,7 @@ def test_network_dependent_references_are_warnings(tmp_path: Path, capsys) -> No
                                      "deployments": [{"name": "anything", "model": "some/model"}],
                                      "redis": {"url": "redis://127.0.0.1:1/0"}}, capsys)
     assert code == 0
-    assert "warning: deployments: anything: served only if the running backends report them" in out
+    assert "warning: deployments: anything: not checked against the backends" in out
     assert "warning: redis.url" in out
 
 

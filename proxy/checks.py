@@ -4,7 +4,8 @@ The schema (proxy/config.py) validates each key on its own; these look at how ke
 other and to the environment the proxy will run in, without touching the network:
 
 errors (exit 2 from `check`): a deployment naming a model no backend serves, or an adapter no
-backend holds and none can load, when the backends pin what they serve; `auth.keys[].deployments`
+backend holds and none can load, when the backends pin what they serve; an adapter's `parent` that
+is not a base deployment of its model; `auth.keys[].deployments`
 naming an unknown deployment; a `key_env` that is unset or empty; a `key_file` that cannot be read.
 
 warnings: what only the running fleet can tell (backends that discover their models, Redis),
@@ -57,8 +58,12 @@ def _served(config: ProxyConfig, found: Findings) -> None:
                                   "(not checked here)")
         return
     used_adapters = {d.adapter for d in config.deployments if d.adapter}
+    bases = {d.name: d.model for d in config.deployments if d.adapter is None}
     unchecked = []
     for i, d in enumerate(config.deployments):
+        if d.parent is not None and (d.adapter is None or bases.get(d.parent) != d.model):
+            found.errors.append(f"deployments[{i}].parent: must name a deployment without an adapter serving "
+                                f"{d.model!r}, for an adapter deployment" + ("" if d.adapter else " (this has none)"))
         serving = [b for b in backends if b.models is None or d.model in b.models]
         if not serving:
             served = sorted({m for b in backends for m in b.models or ()})

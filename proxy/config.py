@@ -116,6 +116,10 @@ class DeploymentConfig(Strict):
     )
     min_replicas: int = Field(0, ge=0, description="LoRA adapter: replicas it stays loaded on even when idle")
     max_replicas: int | None = Field(None, ge=1, description="LoRA adapter: most replicas a hot adapter spreads to")
+    parent: str | None = Field(
+        None, min_length=1, description="LoRA adapter: the deployment /v1/models names as its `parent` (default: "
+        "the first deployment of its base model, else the model id)"
+    )
 
     @model_validator(mode="after")
     def _adapter_fields(self) -> "DeploymentConfig":

@@ -152,3 +152,10 @@ def test_fuzz_yaml_text_through_load_config(tmp_path_factory: pytest.TempPathFac
         return
     found = cross_check(config)
     assert all(isinstance(p, str) and p for p in found.errors + found.warnings)
+
+
+def test_adapter_parent_must_be_a_base_deployment(tmp_path: Path, capsys) -> None:
+    code, out = run_check(tmp_path, {"backends": PINNED, "deployments": [
+        {"name": "llama", "model": MODEL}, {"name": "sql", "model": MODEL, "adapter": "sql-lora", "parent": "sql"}]},
+        capsys)
+    assert code == 2 and "deployments[1].parent: must name a deployment without an adapter" in out

@@ -196,3 +196,18 @@ def test_json_log_format(servers: Servers, tmp_path: Path, fmt: str) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_adapter_parent_is_the_marked_base_else_the_first_alias(servers: Servers) -> None:
+    sim = servers.sim(lora_modules={"sql-lora": "/adapters/sql"})
+    deployments = [{"name": "llama-a", "model": MODEL}, {"name": "llama-b", "model": MODEL},
+                   {"name": "sql", "model": MODEL, "adapter": "sql-lora"},
+                   {"name": "sql-b", "model": MODEL, "adapter": "sql-lora", "parent": "llama-b"},
+                   {"name": "orphan", "model": "other/model", "adapter": "x-lora"}]
+    for order in (deployments, [deployments[1], deployments[0], *deployments[2:]]):
+        proxy = servers.proxy({"backends": [{"name": "gpu-0", "url": sim.url}], "deployments": order})
+        parents = {m["id"]: m["parent"] for m in httpx.get(proxy.url + "/v1/models").json()["data"]}
+        assert parents["sql"] == order[0]["name"]  # no mark: the first alias in the file, every time
+        assert parents["sql-b"] == "llama-b"  # marked
+        assert parents["orphan"] == "other/model"  # no base deployment: the upstream id
+        assert parents["llama-a"] is None

@@ -211,3 +211,20 @@ def test_adapter_parent_is_the_marked_base_else_the_first_alias(servers: Servers
         assert parents["sql-b"] == "llama-b"  # marked
         assert parents["orphan"] == "other/model"  # no base deployment: the upstream id
         assert parents["llama-a"] is None
+
+
+def test_dashboard_covers_the_operator_families() -> None:
+    from proxy.metrics import Metrics
+
+    dashboard = orjson.loads((Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "vllm-proxy.json").read_bytes())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    names = {m for e in exprs for m in re.findall(r"vllm_proxy_[a-z_]+", e)}
+    families = list(Metrics().registry.collect())
+    exposed = {f.name + suffix for f in families for suffix in ("", "_total", "_bucket", "_sum", "_count")}
+    assert names <= exposed, names - exposed
+    for family in ("redis_up", "retries_total", "lora_operations_total", "multimodal_requests_total",
+                   "key_requests_total", "tokens_total", "config_last_reload_success", "build_info"):
+        assert any(f"vllm_proxy_{family}" in e for e in exprs), family
+    assert any('status_code="429"' in e for e in exprs) and any("401|403" in e for e in exprs)
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))

@@ -7,7 +7,7 @@ the format and level in the environment; each worker configures itself the same 
 worker id in every line.
 
 Every worker watches the same fleet and the same policy file, so what they observe in common
-(backend up/down, scrape and Redis state, config reloads) would be logged N times; only worker 0
+(backend up/down, scrape and Redis state, config reloads, key setup) would be logged N times; only worker 0
 (the "leader", also the only one counting reloads in the metrics) logs those loggers.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ FORMATS = ("text", "json")
 
 # Loggers of what every worker observes alike: logged by the leader only.
 FLEET_LOGGERS = frozenset(
-    ("vllm_proxy.health", "vllm_proxy.reload", "vllm_proxy.scrape", "vllm_proxy.shared", "vllm_proxy.runtime")
+    ("vllm_proxy.health", "vllm_proxy.reload", "vllm_proxy.scrape", "vllm_proxy.shared", "vllm_proxy.runtime",
+     "vllm_proxy.auth")
 )
 
 

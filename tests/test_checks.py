@@ -12,17 +12,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.checks import cross_check
-from proxy.cli import main
+from proxy.cli import build_parser
 from proxy.config import ConfigError, load_config, parse_config
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PINNED = [{"name": "gpu-0", "url": "http://127.0.0.1:9", "models": [MODEL], "adapters": ["sql-lora"]}]
 
 
+def check(path: str) -> int:
+    """`vllm-proxy check --config path`, in this process (without main()'s logging setup)."""
+    args = build_parser().parse_args(["check", "--config", path])
+    return args.func(args)
+
+
 def run_check(tmp_path: Path, config: dict | str, capsys) -> tuple[int, str]:
     path = tmp_path / "policy.yaml"
     path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
-    code = main(["check", "--config", str(path)])
+    code = check(str(path))
     out = capsys.readouterr()
     return code, out.out + out.err
 
@@ -88,7 +94,7 @@ def test_unreadable_inputs_are_messages(tmp_path: Path, capsys) -> None:
         code, out = run_check(tmp_path, text, capsys)
         assert code == 2 and "Traceback" not in out and "invalid config" in out, (text[:20], out)
     (tmp_path / "policy.yaml").write_bytes(b"\xff\xfe backends")
-    assert main(["check", "--config", str(tmp_path / "policy.yaml")]) == 2
+    assert check(str(tmp_path / "policy.yaml")) == 2
     assert "not UTF-8" in capsys.readouterr().err
 
 
@@ -100,8 +106,13 @@ _scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 70000), st.floats
 _keys = st.sampled_from(["server", "backends", "deployments", "auth", "keys", "name", "url", "models", "adapters",
                          "model", "adapter", "adapter_path", "key_env", "key_file", "sha256", "deployments",
                          "routing", "policy", "redis", "multimodal", "port", "lora", "x"])
-_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                         st.dictionaries(_keys, inner, max_size=5)), max_leaves=25)
+
+
+def _containers(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(inner, max_size=4) | st.dictionaries(_keys, inner, max_size=5)
+
+
+_values = st.recursive(_scalars, _containers, max_leaves=25)
 _documents = st.dictionaries(_keys, _values, max_size=6)
 _backend = st.fixed_dictionaries({"name": st.sampled_from(["gpu-0", "gpu-1"]), "url": st.just("http://127.0.0.1:9")},
                                  optional={"models": st.lists(st.sampled_from([MODEL, "m2"]), max_size=2),

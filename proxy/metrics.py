@@ -300,6 +300,7 @@ class Metrics:
         self._children: dict[tuple, object] = {}
         self._deferred: list = []
         self._series: dict[tuple[str, str, str], Series] = {}
+        self._key_series: dict[tuple, tuple] = {}  # (key, status, deployment) -> count_key's children
         self._exposition_registry: CollectorRegistry | None = None
         self._flusher: asyncio.Task | None = None
         # the stream sink when metrics are off but the access log wants TTFT (never flushed)
@@ -329,13 +330,20 @@ class Metrics:
 
     def count_key(self, key: str | None, status: str, deployment: str, tokens: tuple[int | None, int | None]) -> None:
         """One answered request of client `key` (None: no key or a refused one) and its token usage."""
-        name = key or "none"
-        self.child(self.key_requests, name, status).inc()
+        children = self._key_series.get((key, status, deployment))
+        if children is None:
+            name = key or "none"
+            children = self._key_series[(key, status, deployment)] = (
+                self.child(self.key_requests, name, status), self.child(self.tokens, deployment, name, "prompt"),
+                self.child(self.tokens, deployment, name, "completion"),
+            )
+        requests, prompt_tokens, completion_tokens = children
+        requests.inc()
         prompt, completion = tokens
         if prompt:
-            self.child(self.tokens, deployment, name, "prompt").inc(prompt)
+            prompt_tokens.inc(prompt)
         if completion:
-            self.child(self.tokens, deployment, name, "completion").inc(completion)
+            completion_tokens.inc(completion)
 
     def reload_result(self, result: str) -> None:
         """A config reload attempt ended: `success` or `error`."""

@@ -35,7 +35,9 @@ class ProxyApp:
 
     def __init__(self, config: ProxyConfig, path: str | None = None) -> None:
         self.runtime = Runtime(config)
-        self.watcher = ConfigWatcher(path, self.apply, self._count_reload, running=lambda: self.runtime.config) if path else None
+        self.watcher = None
+        if path:
+            self.watcher = ConfigWatcher(path, self.apply, self._count_reload, running=lambda: self.runtime.config)
 
     async def apply(self, config: ProxyConfig) -> None:
         """Swap in a new config. Requests in flight finish on the Runtime they started with."""

@@ -139,7 +139,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-proxy", description=__doc__)
-    parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", type=str.lower,
+                        choices=["debug", "info", "warning", "warn", "error", "critical"])
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="operator log lines (stderr): text, or one JSON object per line")
     sub = parser.add_subparsers(dest="command", required=True)

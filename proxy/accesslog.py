@@ -2,7 +2,9 @@
 
 Fields: ts, request_id, endpoint, deployment, backend, route (the routing reason), status,
 stream, ttft_ms, duration_ms, overhead_ms, prompt_tokens, completion_tokens (when the upstream
-reported usage). Never prompt or completion content, never keys or headers.
+reported usage), key (the client key's configured name; null without auth or when the key was
+refused), worker (0 … N-1 under `serve --workers N`). Never prompt or completion content, never
+keys or headers.
 
 Cost: with `logging.access_log: false` the request path makes one `is None` test. When on,
 a request that the logger level or the sampling drops costs a level check and a random draw;
@@ -26,6 +28,7 @@ import time
 import orjson
 
 from proxy.config import LoggingConfig
+from proxy.logsetup import worker_id
 
 LOGGER = "vllm_proxy.access"
 log = logging.getLogger(LOGGER)
@@ -129,6 +132,7 @@ class AccessLog:
         self.level = LEVELS[config.level]
         self.sample = config.sample
         self.writer = install_handler(config.file)
+        self.worker = worker_id()
 
     def wanted(self) -> bool:
         """Whether this request gets a line (level enabled, and drawn by the sampling)."""
@@ -139,9 +143,9 @@ class AccessLog:
     def write(
         self, request_id: str, endpoint: str, deployment: str, backend: str, route: str | None, status: str,
         stream: bool, duration_s: float, ttft_s: float | None = None, overhead_s: float | None = None,
-        usage_from: bytes | None = None,
+        tokens: tuple[int | None, int | None] = (None, None), key: str | None = None,
     ) -> None:
-        prompt_tokens, completion_tokens = usage_tokens(usage_from)
+        prompt_tokens, completion_tokens = tokens
         line = orjson.dumps({
             "ts": round(time.time(), 3),
             "request_id": request_id,
@@ -156,6 +160,8 @@ class AccessLog:
             "overhead_ms": None if overhead_s is None else round(overhead_s * 1000.0, 3),
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
+            "key": key,
+            "worker": self.worker,
         }, option=orjson.OPT_APPEND_NEWLINE)
         handlers = log.handlers
         if len(handlers) == 1 and handlers[0] is self.writer and not log.filters and not log.disabled:

@@ -35,7 +35,9 @@ class ProxyApp:
 
     def __init__(self, config: ProxyConfig, path: str | None = None) -> None:
         self.runtime = Runtime(config)
-        self.watcher = ConfigWatcher(path, self.apply, self._count_reload) if path else None
+        self.watcher = None
+        if path:
+            self.watcher = ConfigWatcher(path, self.apply, self._count_reload, running=lambda: self.runtime.config)
 
     async def apply(self, config: ProxyConfig) -> None:
         """Swap in a new config. Requests in flight finish on the Runtime they started with."""
@@ -47,8 +49,7 @@ class ProxyApp:
         await old.stop()
 
     def _count_reload(self, result: str) -> None:
-        m = self.runtime.metrics
-        m.child(m.config_reloads, result).inc()
+        self.runtime.metrics.reload_result(result)
 
     async def _admin_reload(self, scope: Scope, send: Send) -> None:
         key_env = self.runtime.config.auth.admin_key_env
@@ -80,6 +81,7 @@ class ProxyApp:
                 scope["vllm_proxy.client"] = rt.auth.client(scope)
             except ProxyError as err:
                 await send_error(send, err)
+                inference.refused(rt, scope, INFERENCE.get(path) or (path if path in GETS else "other"), err.status)
                 return
         endpoint = INFERENCE.get(path)
         if endpoint is not None:

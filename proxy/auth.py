@@ -1,16 +1,21 @@
 """Client API keys: `Authorization: Bearer <key>`, stored as SHA-256 digests, compared in
-constant time, each key limited to the deployments it names. Keys are never logged."""
+constant time, each key limited to the deployments it names. Keys are never logged; their
+configured names are (access log `key`, `vllm_proxy_key_requests_total`)."""
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from proxy.asgi import Scope, bearer
-from proxy.config import AuthConfig
+from proxy.config import ApiKey, AuthConfig, ConfigError
 from proxy.errors import ProxyError
+
+log = logging.getLogger("vllm_proxy.auth")
+CLIENT = "vllm_proxy.client"  # scope key: the authenticated Client
 
 
 def digest(key: str) -> bytes:
@@ -30,13 +35,11 @@ class Authenticator:
     def __init__(self, config: AuthConfig) -> None:
         self.protect_metrics = config.protect_metrics
         self._keys: list[tuple[bytes, Client]] = []
-        for entry in config.keys:
-            if entry.sha256:
-                stored = bytes.fromhex(entry.sha256)
-            elif entry.key_env:
-                stored = digest(os.environ.get(entry.key_env, "").strip())
-            else:
-                stored = digest(Path(entry.key_file).read_text().strip())  # type: ignore[arg-type]
+        for i, entry in enumerate(config.keys):
+            stored = stored_digest(entry, i)
+            if stored is None:
+                log.warning("auth.keys[%d].key_env: $%s is not set; key %r matches nothing", i, entry.key_env, entry.name)
+                continue
             deployments = frozenset(entry.deployments) if entry.deployments is not None else None
             self._keys.append((stored, Client(entry.name, deployments)))
 
@@ -53,6 +56,31 @@ class Authenticator:
         if found is None:
             raise unauthorized("Incorrect API key provided.")
         return found
+
+
+def stored_digest(entry: ApiKey, index: int) -> bytes | None:
+    """The SHA-256 digest a presented key must match; None for an unset or empty `key_env`
+    (nothing may match it: an empty key is no key). An unreadable `key_file` is a ConfigError
+    naming its key path, so `serve`, `check` and a reload report it instead of a traceback."""
+    if entry.sha256:
+        return bytes.fromhex(entry.sha256)
+    if entry.key_env:
+        value = os.environ.get(entry.key_env, "").strip()
+        return digest(value) if value else None
+    where = f"auth.keys[{index}].key_file"
+    try:
+        value = Path(entry.key_file).read_text(encoding="utf-8").strip()  # type: ignore[arg-type]
+    except (OSError, ValueError) as exc:
+        raise ConfigError(where, [f"{where}: cannot read {entry.key_file!r}: {getattr(exc, 'strerror', None) or exc}"]) from None
+    if not value:
+        raise ConfigError(where, [f"{where}: {entry.key_file!r} is empty"])
+    return digest(value)
+
+
+def key_name(scope: Scope) -> str | None:
+    """The configured name of the key this request authenticated with (None without auth)."""
+    client = scope.get(CLIENT)
+    return client.name if client is not None else None
 
 
 def unauthorized(message: str) -> ProxyError:

@@ -7,7 +7,9 @@ import os
 import signal
 import sys
 
+from proxy.checks import cross_check, startup_problems
 from proxy.config import ConfigError, ProxyConfig, load_config
+from proxy.logsetup import configure as configure_logging
 
 CONFIG_ENV = "VLLM_PROXY_CONFIG"
 
@@ -27,6 +29,7 @@ def uvicorn_options(config: ProxyConfig) -> dict:
         "timeout_keep_alive": config.server.keep_alive_s,
         "timeout_graceful_shutdown": config.server.drain_timeout_s,
         "log_level": "warning",
+        "log_config": None,  # uvicorn's records go through our handler (proxy/logsetup.py): timestamped, with the worker
     }
 
 
@@ -41,7 +44,14 @@ def app_from_env():
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    config = _load_or_exit(args.config)
+    loaded = config = _load_or_exit(args.config)
+    try:
+        startup_problems(loaded, args.config)  # e.g. an unreadable key_file: refuse here, naming its key path
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    for warning in cross_check(loaded).errors:  # `check` fails on these; a running proxy just serves less
+        logging.getLogger("vllm_proxy").warning("%s: %s", args.config, warning)
     server = config.server
     updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("workers", args.workers)) if v is not None}
     if updates:
@@ -55,6 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if workers > 1:
         from proxy.metrics import prepare_multiprocess_dir
 
+        configure_logging(args.log_level, args.log_format, role="supervisor")
         cleanup = prepare_multiprocess_dir()  # before the workers start: they write their metrics there
         from proxy import workers as supervisor
 
@@ -65,7 +76,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         from proxy.app import ProxyApp
 
-        uvicorn.run(ProxyApp(config, os.path.abspath(args.config)), host=host, port=port, **options)
+        # the app runs the file's config (a reload compares the file with it); flags only move the socket
+        uvicorn.run(ProxyApp(loaded, os.path.abspath(args.config)), host=host, port=port, **options)
     return 0
 
 
@@ -74,7 +86,22 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    config = _load_or_exit(args.config)
+    """Schema, then cross-references (proxy/checks.py); exit 2 on any error. Never a traceback:
+    whatever the input, the answer is a message."""
+    try:
+        config = load_config(args.config)
+        found = cross_check(config)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - a bug of ours must still not look like a crash to an operator
+        print(f"{args.config}: cannot check: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    for warning in found.warnings:
+        print(f"{args.config}: warning: {warning}", file=sys.stderr)
+    if found.errors:
+        print(str(ConfigError(args.config, found.errors)), file=sys.stderr)
+        return 2
     print(f"{args.config}: OK")
     print(f"  server: http://{config.server.host}:{config.server.port} (max body {config.server.max_body_bytes} bytes)")
     print(f"  routing policy: {config.routing.policy}")
@@ -117,7 +144,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-proxy", description=__doc__)
-    parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    parser.add_argument("--log-level", default="info", type=str.lower,
+                        choices=["debug", "info", "warning", "warn", "error", "critical"])
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="operator log lines (stderr): text, or one JSON object per line")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the proxy")
@@ -137,14 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(sim)
     sim.set_defaults(func=cmd_sim)
 
-    demo = sub.add_parser("demo", help="a simulated fleet plus the proxy on policies/demo.yaml")
-    demo.add_argument("--config", default=None, help="default: policies/demo.yaml")
+    demo = sub.add_parser("demo", help="a simulated fleet plus the proxy on the demo policy")
+    demo.add_argument("--config", default=None, help="default: policies/demo.yaml (shipped in the package)")
     demo.add_argument("--time-scale", type=float, default=0.2, help="speed of the simulated GPUs (1 = realistic)")
+    demo.add_argument("--port", type=int, default=None,
+                      help="proxy port; the replicas take the next ones (default: the policy's ports)")
     demo.set_defaults(func=cmd_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     return args.func(args)

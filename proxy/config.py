@@ -196,6 +196,10 @@ class DeploymentConfig(Strict):
     )
     min_replicas: int = Field(0, ge=0, description="LoRA adapter: replicas it stays loaded on even when idle")
     max_replicas: int | None = Field(None, ge=1, description="LoRA adapter: most replicas a hot adapter spreads to")
+    parent: str | None = Field(
+        None, min_length=1, description="LoRA adapter: the deployment /v1/models names as its `parent` (default: "
+        "the first deployment of its base model, else the model id)"
+    )
 
     @model_validator(mode="after")
     def _adapter_fields(self) -> "DeploymentConfig":
@@ -443,9 +447,11 @@ def load_config(path: str | Path) -> ProxyConfig:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(source, [f"cannot read file: {exc.strerror}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(source, [f"not UTF-8 text: {exc.reason} at byte {exc.start}"]) from None
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: e.g. a date like 2020-13-01
         raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
     if not isinstance(data, dict):
         raise ConfigError(source, ["(top level): must be a mapping with at least `backends`"])

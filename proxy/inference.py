@@ -9,7 +9,9 @@ import time
 
 import orjson
 
+from proxy.accesslog import usage_tokens
 from proxy.asgi import DISCONNECT, Receive, Scope, Send, header, send_error
+from proxy.auth import CLIENT, key_name
 from proxy.errors import ProxyError, model_not_found
 from proxy.forward import Progress, StreamBroken, UpstreamFailure
 from proxy.parse import ParsedRequest, parse_request
@@ -122,7 +124,7 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         watch = lean.arm() if lean is not None else DisconnectWatch(receive)
         parsed = parse_request(endpoint, body)
         route = rt.catalog.get(parsed.model)
-        if route is None or ("vllm_proxy.client" in scope and not scope["vllm_proxy.client"].may_use(route.name)):
+        if route is None or (CLIENT in scope and not scope[CLIENT].may_use(route.name)):
             raise model_not_found(parsed.model)
         trusted_only = changed = False
         if parsed.multimodal:
@@ -133,14 +135,14 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
     except asyncio.CancelledError:
         if watch is None or not watch.gone:
             raise
-        deployment = _unrouted(rt, request_id, endpoint, route, CLIENT_CLOSED, started)
+        deployment = _unrouted(rt, request_id, endpoint, route, CLIENT_CLOSED, started, key_name(scope))
         metrics.child(metrics.disconnects, deployment, "before_first_byte").inc()
         return
     except ProxyError as err:
         if watch is not None:
             watch.stop()
         await send_error(send, err, id_header)
-        _unrouted(rt, request_id, endpoint, route, str(err.status), started)
+        _unrouted(rt, request_id, endpoint, route, str(err.status), started, key_name(scope))
         return
 
     if route.rewrite or changed:
@@ -185,20 +187,32 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         ttft = progress.ttft()
         if ttft is not None:
             series.ttft.observe(ttft)
+    key = key_name(scope)
+    tokens = usage_tokens(progress.tail if parsed.stream else progress.body)
+    metrics.count_key(key, status, route.name, tokens)
     access = rt.access
     if access is not None and access.wanted():
         access.write(request_id, endpoint, route.name, backend.name, reason, status, parsed.stream, ended - started,
-                     ttft, overhead, progress.tail if parsed.stream else progress.body)
+                     ttft, overhead, tokens, key)
 
 
-def _unrouted(rt: Runtime, request_id: str, endpoint: str, route: Route | None, status: str, started: float) -> str:
+def _unrouted(
+    rt: Runtime, request_id: str, endpoint: str, route: Route | None, status: str, started: float, key: str | None,
+) -> str:
     """Count (and log) a request that ended before reaching a replica; returns its deployment label."""
     deployment = route.name if route is not None else "unknown"
     metrics = rt.metrics
     metrics.child(metrics.requests, deployment, "none", endpoint, status).inc()
+    metrics.count_key(key, status, deployment, (None, None))
     if rt.access is not None and rt.access.wanted():
-        rt.access.write(request_id, endpoint, deployment, "none", None, status, False, time.perf_counter() - started)
+        rt.access.write(request_id, endpoint, deployment, "none", None, status, False, time.perf_counter() - started,
+                        key=key)
     return deployment
+
+
+def refused(rt: Runtime, scope: Scope, endpoint: str, status: int) -> None:
+    """A request the key check turned away (401): counted and logged like every other answer."""
+    _unrouted(rt, _request_id(scope), endpoint, None, str(status), time.perf_counter(), None)
 
 
 async def _attempt(

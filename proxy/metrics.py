@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import importlib.metadata
 import os
+import platform
+import time
 from bisect import bisect_left
 import shutil
 import tempfile
@@ -36,6 +39,13 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 
 # Proxy overhead: tens of microseconds normally; milliseconds mean trouble (GC, a stalled loop).
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
                     0.01, 0.025, 0.05, 0.1, 0.25, 1)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("vllm-proxy")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def multiprocess_mode() -> bool:
@@ -246,6 +256,28 @@ class Metrics:
             "vllm_proxy_lora_operations", "LoRA adapter loads and unloads made by the proxy.",
             ["adapter", "backend", "op", "reason", "outcome"], registry=r,
         )
+        # Per client key (auth.keys[].name, or `none`) and token usage (proxy/auth.py, proxy/accesslog.py).
+        self.key_requests = Counter(
+            "vllm_proxy_key_requests", "Requests by client key name (`none`: no or a refused key) and status.",
+            ["key", "status_code"], registry=r,
+        )
+        self.tokens = Counter(
+            "vllm_proxy_tokens", "Tokens the replicas reported in `usage`, by deployment, client key and kind.",
+            ["deployment", "key", "kind"], registry=r,
+        )
+        self.last_reload_success = Gauge(
+            "vllm_proxy_config_last_reload_success", "1 if the last config reload succeeded, 0 if it was refused.",
+            registry=r, multiprocess_mode="livemostrecent",
+        )
+        self.last_reload_time = Gauge(
+            "vllm_proxy_config_last_reload_timestamp_seconds", "When the last config reload was attempted.",
+            registry=r, multiprocess_mode="livemostrecent",
+        )
+        self.build_info = Gauge(
+            "vllm_proxy_build_info", "Always 1; the labels name the running version.", ["version", "python"],
+            registry=r, multiprocess_mode="max",
+        )
+        self.build_info.labels(_version(), platform.python_version()).set(1)
         # Scraped from each backend's /metrics (proxy/scrape.py), on the discovery interval.
         self.backend_hit_ratio = Gauge(
             "vllm_proxy_backend_prefix_cache_hit_ratio",
@@ -263,11 +295,12 @@ class Metrics:
         # Families whose children are touched per request: no-ops when metrics are disabled.
         self._per_request = {
             id(f) for f in (self.requests, self.duration, self.ttft, self.itl, self.overhead, self.in_flight,
-                            self.decisions, self.upstream_errors, self.disconnects)
+                            self.decisions, self.upstream_errors, self.disconnects, self.key_requests, self.tokens)
         }
         self._children: dict[tuple, object] = {}
         self._deferred: list = []
         self._series: dict[tuple[str, str, str], Series] = {}
+        self._key_series: dict[tuple, tuple] = {}  # (key, status, deployment) -> count_key's children
         self._exposition_registry: CollectorRegistry | None = None
         self._flusher: asyncio.Task | None = None
         # the stream sink when metrics are off but the access log wants TTFT (never flushed)
@@ -302,6 +335,29 @@ class Metrics:
             family.remove(*labels)
         except KeyError:
             pass
+
+    def count_key(self, key: str | None, status: str, deployment: str, tokens: tuple[int | None, int | None]) -> None:
+        """One answered request of client `key` (None: no key or a refused one) and its token usage."""
+        children = self._key_series.get((key, status, deployment))
+        if children is None:
+            name = key or "none"
+            children = self._key_series[(key, status, deployment)] = (
+                self.child(self.key_requests, name, status), self.child(self.tokens, deployment, name, "prompt"),
+                self.child(self.tokens, deployment, name, "completion"),
+            )
+        requests, prompt_tokens, completion_tokens = children
+        requests.inc()
+        prompt, completion = tokens
+        if prompt:
+            prompt_tokens.inc(prompt)
+        if completion:
+            completion_tokens.inc(completion)
+
+    def reload_result(self, result: str) -> None:
+        """A config reload attempt ended: `success` or `error`."""
+        self.config_reloads.labels(result).inc()
+        self.last_reload_success.set(1 if result == "success" else 0)
+        self.last_reload_time.set(time.time())
 
     def time_streams_for_access_log(self, wanted: bool) -> None:
         """With metrics off, streams are timed only for an access log (set on every (re)load)."""

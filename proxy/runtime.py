@@ -22,7 +22,7 @@ from proxy.routing.policies import make_policy
 from proxy.scrape import BackendScraper
 from proxy.shared import SharedState
 
-log = logging.getLogger("vllm_proxy")
+log = logging.getLogger("vllm_proxy.runtime")
 
 
 class Runtime:

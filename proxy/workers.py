@@ -35,10 +35,13 @@ def reuseport_socket(host: str, port: int, listen: bool = True) -> socket.socket
     return sock
 
 
-def _worker(options: dict, host: str, port: int) -> None:
+def _worker(options: dict, host: str, port: int, index: int = 0) -> None:
     """One worker process: its own socket, uvicorn's server (which drains on SIGTERM)."""
     import uvicorn
 
+    from proxy.logsetup import configure_worker
+
+    configure_worker(index)  # a spawned process inherits no logging setup (proxy/logsetup.py)
     _die_with_parent()
     # SIGHUP stays ignored (inherited, see serve()) until the config watcher handles it.
     config = uvicorn.Config("proxy.cli:app_from_env", factory=True, host=host, port=port, **options)
@@ -88,8 +91,8 @@ def serve(options: dict, host: str, port: int, workers: int) -> int:
     ctx = multiprocessing.get_context("spawn")
     drain_s = float(options.get("timeout_graceful_shutdown") or 30.0) + 10.0
 
-    def start() -> tuple[multiprocessing.Process, float]:
-        proc = ctx.Process(target=_worker, args=(options, host, port), daemon=False)
+    def start(index: int) -> tuple[multiprocessing.Process, float]:
+        proc = ctx.Process(target=_worker, args=(options, host, port, index), daemon=False)
         # The child inherits "ignore SIGHUP" across exec (a handler would reset to the default,
         # which kills it): a SIGHUP passed on while it imports must not end it.
         previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -114,7 +117,7 @@ def serve(options: dict, host: str, port: int, workers: int) -> int:
     stop_deadline = None
     try:
         while len(procs) < workers and not stops:
-            procs.append(start())
+            procs.append(start(len(procs)))
         while True:
             if stops != handled_stops:
                 handled_stops = stops
@@ -144,8 +147,8 @@ def serve(options: dict, host: str, port: int, workers: int) -> int:
                         status = 1
                         stops += 1
                         break
-                    log.warning("worker %s exited with code %s; starting a new one", proc.pid, proc.exitcode)
-                    procs[i] = start()
+                    log.warning("worker-%d (pid %s) exited with code %s; starting a new one", i, proc.pid, proc.exitcode)
+                    procs[i] = start(i)
             time.sleep(0.1)
         for proc, _ in procs:
             proc.join(5.0)

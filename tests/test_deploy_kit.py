@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shlex
 import shutil
@@ -193,11 +194,20 @@ def container_argv(c: dict) -> list[str]:
     return command[1:] + args
 
 
-def run_check(policy_text: str, tmp_path: Path, name: str = "policy.yaml") -> subprocess.CompletedProcess:
+def run_check(policy_text: str, tmp_path: Path, name: str = "policy.yaml",
+              env_names: list[str] = ()) -> subprocess.CompletedProcess:
+    """`vllm-proxy check` as the pod runs it: `env_names` set (to placeholders) as its Secret would."""
     path = tmp_path / name
     path.write_text(policy_text, encoding="utf-8")
+    env = {**os.environ, **{n: "placeholder" for n in env_names}}
     return subprocess.run([sys.executable, "-m", "proxy", "check", "--config", str(path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+
+
+def secret_env(objs) -> list[str]:
+    """Environment variables the workloads take from Secrets."""
+    return [e["name"] for w in workloads(objs) for c in w["spec"]["template"]["spec"]["containers"]
+            for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
 
 
 def policy_of(objs) -> tuple[str, dict]:
@@ -450,8 +460,9 @@ def test_monitoring_only_where_included():
 
 @pytest.mark.parametrize("kdir", RENDERS, ids=RENDER_IDS)
 def test_configmap_policy_passes_check(kdir, tmp_path):
-    text, _ = policy_of(rendered(kdir))
-    result = run_check(text, tmp_path)
+    objs = rendered(kdir)
+    text, _ = policy_of(objs)
+    result = run_check(text, tmp_path, env_names=secret_env(objs))
     assert result.returncode == 0, result.stderr + result.stdout
 
 

@@ -39,18 +39,32 @@ def build_catalog(config: ProxyConfig, backends: list[Backend]) -> dict[str, Rou
     deployments = config.deployments
     if deployments is None:
         deployments = _discovered_deployments(backends)
-    public_base = {d.model: d.name for d in deployments if d.adapter is None}
+    public_base: dict[str, str] = {}
+    for d in deployments:
+        if d.adapter is None:
+            public_base.setdefault(d.model, d.name)  # the first alias, in file order: deterministic
+    bases = {d.name for d in deployments if d.adapter is None}
     return {
         d.name: Route(
             name=d.name,
             model=d.model,
             adapter=d.adapter,
             backends=tuple(b for b in backends if b.serves(d.model, d.adapter)),
-            parent=(public_base.get(d.model, d.model) if d.adapter else None),
+            parent=_parent(d, public_base, bases),
             timeouts=config.timeouts_for(d.name),
         )
         for d in deployments
     }
+
+
+def _parent(d: DeploymentConfig, public_base: dict[str, str], bases: set[str]) -> str | None:
+    """An adapter's `parent` in /v1/models: the base deployment the operator named, else the first
+    deployment of its base model, else the upstream model id."""
+    if d.adapter is None:
+        return None
+    if d.parent in bases:
+        return d.parent
+    return public_base.get(d.model, d.model)
 
 
 def _discovered_deployments(backends: list[Backend]) -> list[DeploymentConfig]:

@@ -12,6 +12,7 @@ from proxy.accesslog import AccessLog
 from proxy.metrics import Metrics
 from proxy.admission import Admission
 from proxy.multimodal import MultimodalGate
+from proxy.response_owners import ResponseOwners
 from proxy.outlier import Outliers
 from proxy.retry import RetryBudget
 from proxy.routing.backends import Backend
@@ -52,6 +53,11 @@ class Runtime:
         self.rebuild_catalog()
         self.upstream = previous.upstream if previous else Upstream(config.server)
         self.owner = previous is None  # opens and finally closes the process-wide parts
+        # Responses API: response id -> replica, kept across reloads (proxy/response_owners.py)
+        self.response_owners = previous.response_owners if previous else ResponseOwners(
+            config.responses.max_local_records, config.redis.url if config.redis else None,
+            config.responses.owner_ttl_s, config.redis.timeout_s if config.redis else 0.05,
+        )
         self.discovery = Discovery(
             lambda: self.upstream.session, self.backends, config.discovery, self.rebuild_catalog, self._health_changed
         )
@@ -90,6 +96,7 @@ class Runtime:
         if self.owner:
             await self.upstream.open()
             self.metrics.start()
+            self.response_owners.start()
         for backend in self.backends:
             self._health_changed(backend)
         await self.discovery.poll_all()
@@ -114,6 +121,7 @@ class Runtime:
         if self.owner:
             await self.upstream.close()
             await self.metrics.stop()
+            await self.response_owners.stop()
 
     def hand_over(self) -> None:
         """The next Runtime owns the process-wide parts now; stopping this one leaves them open."""

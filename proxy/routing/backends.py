@@ -41,12 +41,7 @@ class Backend:
         parts = urlsplit(config.url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         self.origin = (parts.scheme, parts.hostname, port)
-        auth = f"Authorization: Bearer {config.api_key}\r\n" if config.api_key else ""
-        base = parts.path.rstrip("/")
-        self.heads = {
-            e: f"POST {base}{e} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n{auth}".encode("latin-1")
-            for e in ENDPOINTS
-        }
+        self.heads = {e: self.head_prefix("POST", e) for e in ENDPOINTS}
         # passive outlier detection (proxy/outlier.py) and admission (max in-flight)
         self.errors_in_row = 0
         self.ejections = 0
@@ -64,8 +59,15 @@ class Backend:
                 raise ValueError(f"HTTP {resp.status}")
             return await resp.read()
 
-    def request_head(self, endpoint: str, length: int, request_id: bytes) -> bytes:
-        return self.heads[endpoint] + b"Content-Length: %d\r\nX-Request-Id: %s\r\n\r\n" % (length, request_id)
+    def head_prefix(self, method: str, target: str, content_type: bytes = b"application/json") -> bytes:
+        """The request line and fixed headers for any other endpoint (`target`: path and query)."""
+        parts = urlsplit(self.url)
+        auth = f"Authorization: Bearer {self.config.api_key}\r\n" if self.config.api_key else ""
+        line = f"{method} {parts.path.rstrip('/')}{target} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        return line.encode("latin-1") + b"Content-Type: " + content_type + b"\r\n" + auth.encode("latin-1")
+
+    def request_head(self, endpoint: str, length: int, request_id: bytes, prefix: bytes | None = None) -> bytes:
+        return (prefix or self.heads[endpoint]) + b"Content-Length: %d\r\nX-Request-Id: %s\r\n\r\n" % (length, request_id)
 
     def serves(self, model: str, adapter: str | None) -> bool:
         if adapter is None:

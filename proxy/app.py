@@ -82,7 +82,11 @@ class ProxyApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            await self._http(scope, receive, send)
+            tracing = self.runtime.tracing
+            if tracing is None:
+                await self._http(scope, receive, send)
+            else:  # proxy/tracing.py
+                await tracing.serve(self._http, scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 

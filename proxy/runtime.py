@@ -1,6 +1,7 @@
 """Everything a running proxy holds for one config: backends, catalog, policy, client, metrics."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from proxy.auth import Authenticator
@@ -13,6 +14,7 @@ from proxy.metrics import Metrics
 from proxy.admission import Admission
 from proxy.multimodal import MultimodalGate
 from proxy.response_owners import ResponseOwners
+from proxy.tracing import Tracing
 from proxy.outlier import Outliers
 from proxy.retry import RetryBudget
 from proxy.routing.backends import Backend
@@ -48,10 +50,16 @@ class Runtime:
                 local_load=lambda: {b.name: b.in_flight for b in self.backends},
                 on_status=lambda up: self.metrics.redis_up.set(1 if up else 0),
             )
+        # optional OpenTelemetry: wraps the policy and the upstream client (proxy/tracing.py)
+        self.tracing = Tracing(config.tracing) if config.tracing.enabled else None
         self.policy = make_policy(config.routing, self.shared)
+        if self.tracing is not None:
+            self.policy = self.tracing.policy(self.policy)
         self.catalog: dict[str, Route] = {}
         self.rebuild_catalog()
-        self.upstream = previous.upstream if previous else Upstream(config.server)
+        self.upstream = getattr(previous.upstream, "inner", previous.upstream) if previous else Upstream(config.server)
+        if self.tracing is not None:
+            self.upstream = self.tracing.upstream(self.upstream)
         self.owner = previous is None  # opens and finally closes the process-wide parts
         # Responses API: response id -> replica, kept across reloads (proxy/response_owners.py)
         self.response_owners = previous.response_owners if previous else ResponseOwners(
@@ -112,6 +120,8 @@ class Runtime:
         )
 
     async def stop(self) -> None:
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
         await self.lora.stop()
         await self.discovery.stop()
         if self.scraper is not None:

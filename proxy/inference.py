@@ -125,7 +125,10 @@ class Spec:
         return orjson.dumps(parsed.data)
 
     def head(self, backend: Backend, endpoint: str) -> bytes | None:
-        return backend.head_prefix("POST", endpoint)
+        head = backend.heads.get(endpoint)
+        if head is None:  # kept per endpoint path (a fixed, small set)
+            head = backend.heads[endpoint] = backend.head_prefix("POST", endpoint)
+        return head
 
 
 _JSON_BODY = Spec()  # the chat/completions/embeddings behaviour of the rarely taken steps

@@ -114,8 +114,10 @@ class Create(Spec):
         self.previous: str | None = None
         self.backend: Backend | None = None
         self.deployment = ""
+        self.client = None  # the API key's holder (proxy/auth.py), if keys are configured
 
     def parse(self, scope: Scope, body: bytes) -> ParsedRequest:
+        self.client = scope.get("vllm_proxy.client")
         data = decode(body)
         model = require_model(data.get("model"))
         stream = data.get("stream") or False
@@ -136,23 +138,24 @@ class Create(Spec):
             return self.backend, reason
         if exclude:
             raise ProxyError(502, "The replica holding the conversation failed.", code="upstream_failed")
-        self.backend = await owner_of(rt, self.previous, "previous_response_id")
+        self.backend, _ = await owner_of(rt, self.previous, "previous_response_id", self.client)
         return self.backend, "owner"
 
     def watch(self, rt: Runtime, send: Send) -> Send:
         """`send`, recording the id of the response the replica creates as the first bytes pass."""
-        state = {"ok": False, "seen": 0}
+        state = {"ok": False, "seen": 0, "tail": b""}
 
         async def recording(message: dict) -> None:
             if message["type"] == "http.response.start":
                 state["ok"] = message["status"] == 200
             elif state["ok"]:
                 body = message.get("body", b"")
-                found = _ID_IN_BODY.search(body)
+                found = _ID_IN_BODY.search(state["tail"] + body)  # the id may straddle two chunks
                 if found is not None:
                     rt.response_owners.remember(found.group(1).decode(), self.backend.name, self.deployment)
                     state["ok"] = False
                 else:
+                    state["tail"] = body[-300:]
                     state["seen"] += len(body)
                     state["ok"] = state["seen"] < _SCAN_LIMIT
             await send(message)
@@ -165,15 +168,20 @@ async def create(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> Non
     await inference.handle(rt, scope, receive, spec.watch(rt, send), CREATE, spec)
 
 
-async def owner_of(rt: Runtime, response_id: str, param: str) -> Backend:
-    """The healthy replica holding `response_id`, or the 404/410 that says why there is none."""
+async def owner_of(rt: Runtime, response_id: str, param: str, client: Any = None) -> tuple[Backend, str]:
+    """The healthy replica holding `response_id` and the deployment it was created for (if known),
+    or the 404/410 that says why there is none. A key that may not use that deployment gets 404."""
+    not_found = ProxyError(404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found")
     found = await rt.response_owners.lookup(response_id)
     name = found[0] if found is not None else await _probe(rt, response_id)
     if name is None:
-        raise ProxyError(404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found")
+        raise not_found
+    deployment = found[1] if found is not None else ""
+    if client is not None and deployment and not client.may_use(deployment):
+        raise not_found
     for backend in rt.backends:
         if backend.name == name and backend.healthy:
-            return backend
+            return backend, deployment
     raise ProxyError(
         410, f"Response '{response_id}' is held by replica `{name}`, which is unavailable: vLLM keeps a response "
         "only in the memory of the replica that created it. Start a new response with the full input instead.",
@@ -235,15 +243,8 @@ async def by_id(rt: Runtime, scope: Scope, receive: Receive, send: Send, respons
         query = scope.get("query_string", b"")
         if not _QUERY.match(query):
             raise bad_request("Unsupported query string.", code="invalid_value")
-        found = await rt.response_owners.lookup(response_id)
-        if found is not None and found[1]:
-            deployment = found[1]
-            client = scope.get("vllm_proxy.client")
-            if client is not None and not client.may_use(deployment):
-                raise ProxyError(404, f"Response with id '{response_id}' not found.", param="response_id",
-                                 code="response_not_found")
-        backend = await owner_of(rt, response_id, "response_id")
-        backend_name = backend.name
+        backend, known = await owner_of(rt, response_id, "response_id", scope.get("vllm_proxy.client"))
+        deployment, backend_name = known or deployment, backend.name
         lean = scope.get(DISCONNECT)
         watch = lean.arm() if lean is not None else inference.DisconnectWatch(receive)
         target = f"/v1/responses/{response_id}" + ("/cancel" if method == "POST" else "")

@@ -243,3 +243,53 @@ def test_concurrent_chains_keep_their_owners(servers: Servers, redis_url: str) -
     for t in threads:
         t.join(timeout=60)
     assert not errors
+
+
+def test_keys_limited_to_a_deployment_cannot_reach_other_deployments_responses(servers: Servers, monkeypatch) -> None:
+    """Also with upstream keys: retrievals and follow-ups carry the replica's --api-key."""
+    monkeypatch.setenv("KEY_A", "key-a")
+    monkeypatch.setenv("KEY_B", "key-b")
+    sim = servers.sim(api_key="upstream-secret")
+    proxy = servers.proxy({
+        "backends": [{"name": "gpu-0", "url": sim.url, "api_key": "upstream-secret", "models": [MODEL]}],
+        "deployments": [{"name": "private", "model": MODEL}, {"name": "public", "model": MODEL}],
+        "auth": {"keys": [{"name": "a", "key_env": "KEY_A"},
+                          {"name": "b", "key_env": "KEY_B", "deployments": ["public"]}]},
+    })
+    a = openai.OpenAI(base_url=proxy.url + "/v1", api_key="key-a", max_retries=0)
+    b = openai.OpenAI(base_url=proxy.url + "/v1", api_key="key-b", max_retries=0)
+    secret = a.responses.create(model="private", input="a secret", max_output_tokens=2)
+    assert secret.model == "private"
+    assert a.responses.retrieve(secret.id).model == "private"  # the upstream id is renamed on the way back
+    with pytest.raises(openai.NotFoundError):
+        b.responses.retrieve(secret.id)
+    with pytest.raises(openai.NotFoundError):
+        b.responses.create(model="public", input="tell me", previous_response_id=secret.id)
+    mine = b.responses.create(model="public", input="hello", max_output_tokens=2)
+    assert b.responses.create(model="public", input="more", previous_response_id=mine.id, max_output_tokens=2).id
+
+
+async def test_the_id_is_found_across_a_chunk_boundary_and_not_in_other_fields() -> None:
+    from types import SimpleNamespace
+
+    from proxy.responses import Create
+
+    recorded = []
+    rt = SimpleNamespace(response_owners=SimpleNamespace(remember=lambda *a: recorded.append(a)))
+    spec = Create()
+    spec.backend, spec.deployment = SimpleNamespace(name="gpu-1"), "llama"
+    sent = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    watched = spec.watch(rt, send)
+    body = (b'event: response.created\ndata: {"response":{"previous_response_id":"resp_old","id":"resp_abc123",'
+            b'"object":"response"},"type":"response.created"}\n\n')
+    cut = body.index(b"resp_abc") + 6
+    await watched({"type": "http.response.start", "status": 200, "headers": []})
+    await watched({"type": "http.response.body", "body": body[:cut], "more_body": True})
+    assert recorded == []
+    await watched({"type": "http.response.body", "body": body[cut:], "more_body": True})
+    assert recorded == [("resp_abc123", "gpu-1", "llama")]
+    assert b"".join(m.get("body", b"") for m in sent) == body  # relayed untouched

@@ -222,8 +222,10 @@ def by_id_route(path: str) -> tuple[str, str] | None:
         if path.startswith(prefix):
             rest = path[len(prefix):]
             if rest.endswith("/cancel"):
-                return rest[:-len("/cancel")], "POST"
-            return rest, "GET"
+                rest, method = rest[:-len("/cancel")], "POST"
+            else:
+                method = "GET"
+            return (rest, method) if rest and "/" not in rest else None  # e.g. /input_items: not served
     return None
 
 

@@ -293,3 +293,10 @@ async def test_the_id_is_found_across_a_chunk_boundary_and_not_in_other_fields()
     await watched({"type": "http.response.body", "body": body[cut:], "more_body": True})
     assert recorded == [("resp_abc123", "gpu-1", "llama")]
     assert b"".join(m.get("body", b"") for m in sent) == body  # relayed untouched
+
+
+def test_paths_vllm_does_not_serve_are_404(fleet) -> None:
+    proxy, _ = fleet
+    for path in ("/v1/responses/resp_x/input_items", "/v1/responses/", "/v1/responses//cancel"):
+        r = httpx.get(proxy.url + path)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url", path

@@ -11,7 +11,7 @@ from __future__ import annotations
 from proxy.asgi import Scope
 from proxy.errors import bad_request
 from proxy.inference import Spec
-from proxy.parse import ParsedRequest, _check_messages, _json_type, decode, require_model
+from proxy.parse import TEXT_PARTS, MediaPart, ParsedRequest, _check_messages, _json_type, decode, require_model
 
 # path -> groups of fields, one group of which must be present in full
 REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
@@ -26,6 +26,31 @@ REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
     "/pooling": (("input",), ("messages",)),
 }
 _LISTS = ("tokens", "documents", "items")
+# rerank/score inputs: a string or {"content": [parts]} (vLLM's ScoreMultiModalParam), or a list of them
+_SCORED = ("query", "documents", "text_1", "text_2", "queries", "items", "data_1", "data_2")
+
+
+def _scored_media(data: dict) -> list[MediaPart] | None:
+    """Media parts inside rerank/score inputs, for the multimodal policy and the URL guard."""
+    media: list[MediaPart] | None = None
+    for key in _SCORED:
+        value = data.get(key)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            content = item.get("content") if isinstance(item, dict) else None
+            if not isinstance(content, list):
+                continue
+            base = f"{key}[{i}]" if isinstance(value, list) else key
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if not isinstance(kind, str):
+                    param = f"{base}.content[{j}]"
+                    raise bad_request(f"`{param}` must be an object with a string `type`.", param=param,
+                                      code="invalid_type")
+                if kind not in TEXT_PARTS:
+                    media = media or []
+                    media.append(MediaPart(f"{base}.content[{j}]", kind, part.get(kind)))
+    return media
 
 
 class Passthrough(Spec):
@@ -43,7 +68,7 @@ class Passthrough(Spec):
         for key in _LISTS:
             if key in data and not isinstance(data[key], list):
                 raise bad_request(f"`{key}` must be an array, not {_json_type(data[key])}.", param=key, code="invalid_type")
-        media = _check_messages(data["messages"]) if data.get("messages") is not None else None
+        media = _check_messages(data["messages"]) if data.get("messages") is not None else _scored_media(data)
         return ParsedRequest(self.endpoint, data, model, False, media)
 
 

@@ -103,3 +103,14 @@ def test_wrong_types(fleet) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     r = httpx.post(proxy.url + "/v1/rerank", json={"model": MODEL, "query": "q", "documents": "one"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+
+
+def test_media_in_rerank_and_score_inputs_pass_the_url_guard(fleet) -> None:
+    proxy, sims = fleet
+    bad = {"content": [{"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest"}}]}
+    for path, body in (("/v1/rerank", {"query": "q", "documents": ["fine", bad]}),
+                       ("/score", {"text_1": bad, "text_2": "x"})):
+        r = httpx.post(proxy.url + path, json={"model": MODEL, **body})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "media_url_forbidden"
+    assert sum(sim_of(s).engine.stats.requests.total() for s in sims) == 0

@@ -41,6 +41,9 @@ class ResponseOwners:
         self._writer = Background()
         self._listener = Background()
         self.subscribed: asyncio.Event | None = None  # set once the subscriber listens (tests wait on it)
+        # replicas asked at once about ids no record names (proxy/responses.py): a client sending
+        # made-up ids cannot multiply itself into a flood of requests to every replica
+        self.probe_slots = asyncio.Semaphore(8)
 
     def start(self) -> None:
         if self.client is not None:

@@ -201,7 +201,11 @@ async def _probe(rt: Runtime, response_id: str) -> str | None:
         await backend.fetch(session, f"/v1/responses/{response_id}", _PROBE_TIMEOUT_S)
         return backend
 
-    tasks = [asyncio.ensure_future(ask(b)) for b in candidates]
+    async with rt.response_owners.probe_slots:
+        return await _first_holder(rt, response_id, [asyncio.ensure_future(ask(b)) for b in candidates])
+
+
+async def _first_holder(rt: Runtime, response_id: str, tasks: list[asyncio.Future]) -> str | None:
     try:
         for next_done in asyncio.as_completed(tasks):
             try:

@@ -116,3 +116,24 @@ def test_off_by_default_nothing_wrapped(servers: Servers) -> None:
     assert rt.tracing is None
     assert type(rt.upstream) is Upstream and not hasattr(rt.policy, "inner")
     assert httpx.post(proxy.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}).status_code == 200
+
+
+async def test_reload_turns_tracing_on_and_off_around_the_same_client() -> None:
+    from proxy.app import ProxyApp
+    from proxy.config import parse_config
+    from proxy.tracing import TracedUpstream
+
+    base = {"backends": [{"name": "gpu-0", "url": "http://127.0.0.1:9", "models": [MODEL]}],
+            "discovery": {"interval_s": 60, "timeout_s": 0.2}}
+    app = ProxyApp(parse_config(base))
+    await app.runtime.start()
+    client = app.runtime.upstream
+    try:
+        await app.apply(parse_config({**base, "tracing": {"enabled": True, "endpoint": "http://127.0.0.1:9/v1/traces"}}))
+        traced = app.runtime.upstream
+        assert isinstance(traced, TracedUpstream) and traced.inner is client and traced.session is client.session
+        assert app.runtime.policy.inner.name == "prefix_affinity"
+        await app.apply(parse_config(base))
+        assert app.runtime.upstream is client and app.runtime.tracing is None
+    finally:
+        await app.runtime.stop()

@@ -300,3 +300,36 @@ def test_paths_vllm_does_not_serve_are_404(fleet) -> None:
     for path in ("/v1/responses/resp_x/input_items", "/v1/responses/", "/v1/responses//cancel"):
         r = httpx.get(proxy.url + path)
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url", path
+
+
+def test_redis_unreachable_conversations_still_reach_their_owner(servers: Servers) -> None:
+    """Records cannot be shared: each proxy keeps its own, and finds the others' by asking the replicas."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    sims = [servers.sim() for _ in range(3)]
+    backends = [{"name": f"gpu-{i}", "url": s.url} for i, s in enumerate(sims)]
+    proxies = [servers.proxy({"backends": backends, "redis": {"url": dead}}) for _ in range(2)]
+    previous = None
+    ids = []
+    for turn in range(4):
+        client = client_for(proxies[turn % 2].url)
+        previous = client.responses.create(model=MODEL, input=f"turn {turn}", previous_response_id=previous,
+                                           max_output_tokens=2).id
+        ids.append(previous)
+    assert len({owner_of(sims, i) for i in ids}) == 1
+    assert client_for(proxies[1].url).responses.retrieve(ids[0]).id == ids[0]
+
+
+async def test_async_sdk_streams_a_follow_up(fleet) -> None:
+    proxy, sims = fleet
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="test", max_retries=0)
+    first = await client.responses.create(model=MODEL, input="Hi", max_output_tokens=3)
+    stream = await client.responses.create(model=MODEL, input="Go on", previous_response_id=first.id,
+                                           max_output_tokens=3, stream=True)
+    kinds = [event.type async for event in stream]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert kinds.count("response.output_text.delta") == 3
+    await client.close()

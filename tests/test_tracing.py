@@ -137,3 +137,4 @@ async def test_reload_turns_tracing_on_and_off_around_the_same_client() -> None:
         assert app.runtime.upstream is client and app.runtime.tracing is None
     finally:
         await app.runtime.stop()
+        await client.close()  # after a reload the current Runtime does not own the process-wide client

@@ -333,3 +333,17 @@ async def test_async_sdk_streams_a_follow_up(fleet) -> None:
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     assert kinds.count("response.output_text.delta") == 3
     await client.close()
+
+
+def test_client_leaving_mid_stream_aborts_the_replica_request(servers: Servers) -> None:
+    sim = servers.sim(time_scale=1.0, itl_ms=50.0)
+    proxy = servers.proxy_for(sim)
+    body = {"model": MODEL, "input": "Tell me everything", "max_output_tokens": 200, "stream": True}
+    with httpx.stream("POST", proxy.url + "/v1/responses", json=body, timeout=30) as r:
+        deltas = 0
+        for line in r.iter_lines():
+            deltas += line == "event: response.output_text.delta"
+            if deltas == 2:
+                break
+    assert eventually(lambda: sim_of(sim).stats()["aborted"] == 1, timeout=10)
+    assert sim_of(sim).stats()["completed"] == 0

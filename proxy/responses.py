@@ -275,5 +275,8 @@ async def by_id(rt: Runtime, scope: Scope, receive: Receive, send: Send, respons
     finally:
         if watch is not None:
             watch.stop()
+    elapsed = time.perf_counter() - started
     metrics.child(metrics.requests, deployment, backend_name, BY_ID, status).inc()
-    metrics.child(metrics.duration, deployment, backend_name, BY_ID).observe(time.perf_counter() - started)
+    metrics.child(metrics.duration, deployment, backend_name, BY_ID).observe(elapsed)
+    if rt.access is not None and rt.access.wanted():
+        rt.access.write(request_id, BY_ID, deployment, backend_name, "owner", status, False, elapsed)

@@ -6,7 +6,7 @@ import hmac
 import logging
 import os
 
-from proxy import endpoints, inference
+from proxy import audio, endpoints, inference, passthrough, responses
 from proxy.asgi import Receive, Scope, Send, bearer, send_error, send_json
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
@@ -27,6 +27,23 @@ GETS = {
 }
 
 OPEN_PATHS = frozenset(("/health", "/ready"))
+
+
+def _passthrough(path: str):
+    async def handle(rt, scope: Scope, receive: Receive, send: Send) -> None:
+        await inference.handle(rt, scope, receive, send, path, passthrough.SPECS[path])
+
+    return handle
+
+
+# POST endpoints beyond chat/completions/embeddings (proxy/passthrough.py, responses.py, audio.py)
+POSTS = {
+    **{path: _passthrough(path) for path in passthrough.SPECS},
+    responses.CREATE: responses.create,
+    "/responses": responses.create,
+    **{path: audio.handler(path) for path in (audio.TRANSCRIPTIONS, audio.TRANSLATIONS)},
+    **{path[3:]: audio.handler(path) for path in (audio.TRANSCRIPTIONS, audio.TRANSLATIONS)},
+}
 
 
 class ProxyApp:
@@ -66,7 +83,11 @@ class ProxyApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            await self._http(scope, receive, send)
+            tracing = self.runtime.tracing
+            if tracing is None:
+                await self._http(scope, receive, send)
+            else:  # proxy/tracing.py
+                await tracing.serve(self._http, scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
@@ -89,6 +110,17 @@ class ProxyApp:
                 await inference.handle(rt, scope, receive, send, endpoint)
             else:
                 await endpoints.method_not_allowed(scope, send, b"POST")
+            return
+        post = POSTS.get(path)
+        if post is not None:
+            if scope["method"] == "POST":
+                await post(rt, scope, receive, send)
+            else:
+                await endpoints.method_not_allowed(scope, send, b"POST")
+            return
+        by_id = responses.by_id_route(path)
+        if by_id is not None:
+            await responses.by_id(rt, scope, receive, send, *by_id)
             return
         handler = GETS.get(path)
         if handler is None:

@@ -355,6 +355,23 @@ class LoggingConfig(Strict):
     file: str | None = Field(None, description="append the lines to this file instead of stdout")
 
 
+class ResponsesConfig(Strict):
+    """The Responses API's response id -> replica records (proxy/responses.py)."""
+
+    owner_ttl_s: float = Field(86400.0, gt=0, description="how long a response id is remembered in Redis")
+    max_local_records: int = Field(100_000, ge=1, description="response ids kept in this proxy's memory (LRU)")
+
+
+class TracingConfig(Strict):
+    """OpenTelemetry traces over OTLP/HTTP (proxy/tracing.py); needs the `tracing` extra."""
+
+    enabled: bool = Field(False, description="off: no span is made and nothing is imported")
+    endpoint: str = Field("http://127.0.0.1:4318/v1/traces", description="OTLP/HTTP traces endpoint")
+    service_name: str = "vllm-proxy"
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="share of new traces recorded (parent-based)")
+    headers: dict[str, str] = Field({}, description="sent with every export (e.g. an auth token)")
+
+
 class ProxyConfig(Strict):
     server: ServerConfig = ServerConfig()
     backends: list[BackendConfig] = Field(description="static replicas; may be [] when `backends_from` is set")
@@ -368,6 +385,8 @@ class ProxyConfig(Strict):
     lora: LoraConfig = LoraConfig()
     metrics: MetricsConfig = MetricsConfig()
     logging: LoggingConfig = LoggingConfig()
+    responses: ResponsesConfig = ResponsesConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "ProxyConfig":

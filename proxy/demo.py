@@ -105,6 +105,7 @@ def examples(base: str, config: ProxyConfig) -> str:
             f"    -d '{{\"model\": \"{adapter}\", \"prompt\": \"SELECT\", \"max_tokens\": 8}}'",
         ]
     lines += [
+        f"  curl -s {base}/tokenize -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"prompt\": \"Hello!\"}}'",
         f"  curl -s {base}/metrics | grep vllm_proxy_requests_total",
         "",
         "With the openai SDK (pip install openai):",
@@ -112,6 +113,8 @@ def examples(base: str, config: ProxyConfig) -> str:
         f"  client = OpenAI(base_url='{base}/v1', api_key='unused')",
         f"  r = client.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello!'}}])",
         "  print(r.choices[0].message.content)",
+        f"  first = client.responses.create(model='{model}', input='Hello!')",
+        f"  print(client.responses.create(model='{model}', input='And then?', previous_response_id=first.id).output_text)",
         "",
         "Ctrl-C stops the proxy and the simulated fleet.",
     ]

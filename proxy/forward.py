@@ -45,9 +45,9 @@ class Progress:
     between them into it; None relays without looking at the chunks.
     """
 
-    __slots__ = ("started", "arrival", "itl", "proxy_s", "relay_at", "first_at", "tail", "body")
+    __slots__ = ("started", "arrival", "itl", "proxy_s", "relay_at", "first_at", "tail", "body", "marker")
 
-    def __init__(self, arrival: float = 0.0, itl=None) -> None:
+    def __init__(self, arrival: float = 0.0, itl=None, marker: bytes = b"data:") -> None:
         self.started = False
         self.arrival = arrival  # request arrival
         self.itl = itl
@@ -56,6 +56,7 @@ class Progress:
         self.first_at = 0.0  # streaming: when the first SSE data event was relayed (0: none yet)
         self.tail: bytes | None = None  # streaming: the last chunk with a data event other than [DONE]
         self.body: bytes | None = None  # non-streaming: the body relayed
+        self.marker = marker  # what a chunk carrying a token contains (Responses: its text delta event)
 
     def ttft(self) -> float | None:
         return self.first_at - self.arrival if self.first_at else None
@@ -107,6 +108,7 @@ class Upstream:
         rename: tuple[bytes, bytes] | None = None,
         retryable: bool = False,
         timeouts: Timeouts | None = None,
+        head: bytes | None = None,
     ) -> int:
         """POST `body` to `backend` and relay the answer to the client. Returns the status sent.
 
@@ -116,11 +118,12 @@ class Upstream:
         Raises UpstreamFailure only while nothing has been sent to the client yet (and, when
         `retryable`, for a 502/503/504 answer, which another replica may serve instead); after
         the first byte of a stream, a failure ends the stream with an SSE error event.
+        `head`: the request line and headers to send instead of the endpoint's usual POST.
         """
         progress.proxy_s = perf_counter() - progress.arrival
         try:
             resp = await self.pool.request(
-                backend.origin, backend.request_head(endpoint, len(body), request_id), body,
+                backend.origin, backend.request_head(endpoint, len(body), request_id, head), body,
                 timeouts or self.server.timeouts,
             )
         except UpstreamError as exc:
@@ -211,6 +214,7 @@ async def _relay_timed(
     (`"choices":[]`, sent with stream_options.include_usage), which is no token either.
     """
     itl = progress.itl
+    marker = progress.marker
     bounds, counts = itl.bounds, itl.counts
     started = False
     last = total = gap = 0.0
@@ -221,7 +225,7 @@ async def _relay_timed(
             if rename is not None:
                 chunk = chunk.replace(*rename)
             if started:
-                if b"data:" in chunk and not chunk.startswith(b"data: [DONE]"):
+                if marker in chunk and not chunk.startswith(b"data: [DONE]"):
                     if pending >= 0:
                         counts[pending] += 1
                         total += gap
@@ -230,7 +234,7 @@ async def _relay_timed(
                     last = now
                     pending = bisect_left(bounds, gap)
                     tail = chunk
-            elif b"data:" in chunk:
+            elif marker in chunk:
                 last = progress.first_at = perf_counter()
                 started = True
                 tail = chunk

@@ -109,7 +109,34 @@ class DisconnectWatch:
 _background: set[asyncio.Task] = set()  # strong references to running watchers
 
 
-async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
+class Spec:
+    """How an endpoint other than chat/completions/embeddings differs on this same path (proxy/passthrough.py,
+    proxy/responses.py, proxy/audio.py): its parse, its choice of replica, its body rewrite, its request head."""
+
+    marker = b"data:"  # what a streamed chunk carrying a token contains (for TTFT/ITL)
+
+    def parse(self, scope: Scope, body: bytes) -> ParsedRequest:
+        raise NotImplementedError
+
+    async def choose(self, rt: Runtime, route: Route, parsed: ParsedRequest, trusted_only: bool = False,
+                     exclude: list[Backend] | None = None) -> tuple[Backend, str]:
+        return await choose(rt, route, parsed, trusted_only, exclude)
+
+    def rewrite(self, parsed: ParsedRequest, body: bytes, route: Route) -> bytes:
+        parsed.data["model"] = route.upstream_id
+        return orjson.dumps(parsed.data)
+
+    def head(self, backend: Backend, endpoint: str) -> bytes | None:
+        head = backend.heads.get(endpoint)
+        if head is None:  # kept per endpoint path (a fixed, small set)
+            head = backend.heads[endpoint] = backend.head_prefix("POST", endpoint)
+        return head
+
+
+_JSON_BODY = Spec()  # the chat/completions/embeddings behaviour of the rarely taken steps
+
+
+async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoint: str, spec: Spec | None = None) -> None:
     started = time.perf_counter()
     request_id = _request_id(scope)
     rid = request_id.encode("ascii")
@@ -122,14 +149,14 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         # From here a client that leaves cancels this task (also while it waits for a slot).
         lean = scope.get(DISCONNECT)
         watch = lean.arm() if lean is not None else DisconnectWatch(receive)
-        parsed = parse_request(endpoint, body)
+        parsed = parse_request(endpoint, body) if spec is None else spec.parse(scope, body)
         route = rt.catalog.get(parsed.model)
         if route is None or (CLIENT in scope and not scope[CLIENT].may_use(route.name)):
             raise model_not_found(parsed.model)
         trusted_only = changed = False
         if parsed.multimodal:
             trusted_only, changed = await rt.multimodal.check(parsed, route)
-        backend, reason = await choose(rt, route, parsed, trusted_only)
+        backend, reason = await (choose if spec is None else spec.choose)(rt, route, parsed, trusted_only)
     except ClientGone:
         return
     except asyncio.CancelledError:
@@ -146,14 +173,13 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         return
 
     if route.rewrite or changed:
-        parsed.data["model"] = route.upstream_id
-        body = orjson.dumps(parsed.data)
+        body = (spec or _JSON_BODY).rewrite(parsed, body, route)
     rt.retries.deposit()
     tried: list[Backend] = []
     try:
         while True:
             status, progress, series, failure = await _attempt(
-                rt, route, endpoint, body, rid, send, id_header, backend, reason, started, watch
+                rt, route, endpoint, body, rid, send, id_header, backend, reason, started, watch, spec
             )
             if failure is None:
                 break
@@ -161,7 +187,7 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
             retry = len(tried) < rt.retries.max_attempts and rt.retries.withdraw()
             if retry:
                 try:
-                    backend, reason = await choose(rt, route, parsed, trusted_only, tried)
+                    backend, reason = await (choose if spec is None else spec.choose)(rt, route, parsed, trusted_only, tried)
                 except ProxyError:
                     retry = False
                 except asyncio.CancelledError:
@@ -217,7 +243,7 @@ def refused(rt: Runtime, scope: Scope, endpoint: str, status: int) -> None:
 
 async def _attempt(
     rt: Runtime, route: Route, endpoint: str, body: bytes, rid: bytes, send: Send, id_header: list,
-    backend: Backend, reason: str, started: float, watch: "DisconnectWatch",
+    backend: Backend, reason: str, started: float, watch: "DisconnectWatch", spec: Spec | None = None,
 ) -> tuple[str, Progress, object, UpstreamFailure | None]:
     """One exchange with one replica. Returns (status, progress, series, failure): `failure` is
     set only when nothing reached the client and another replica may be tried."""
@@ -230,11 +256,11 @@ async def _attempt(
     in_flight = metrics.child(metrics.in_flight, backend.name)
     in_flight.inc()
     series = metrics.series(route.name, backend.name, endpoint)
-    progress = Progress(started, series.stream_sink)
+    progress = Progress(started, series.stream_sink) if spec is None else Progress(started, series.stream_sink, spec.marker)
     try:
         code = await rt.upstream.exchange(
             backend, endpoint, body, rid, send, _response_headers(rt, id_header, backend, reason), progress,
-            route.rename, retryable=True, timeouts=route.timeouts,
+            route.rename, retryable=True, timeouts=route.timeouts, head=None if spec is None else spec.head(backend, endpoint),
         )
         status = str(code)
         if code >= 500:

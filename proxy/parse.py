@@ -67,13 +67,7 @@ def decode(body: bytes) -> dict[str, Any]:
 
 def parse_request(endpoint: str, body: bytes) -> ParsedRequest:
     data = decode(body)
-    model = data.get("model")
-    if model is None:
-        raise bad_request("You must provide a model parameter.", param="model", code="missing_required_parameter")
-    if not isinstance(model, str) or not model:
-        raise bad_request(
-            f"`model` must be a non-empty string, not {_json_type(model)}.", param="model", code="invalid_type"
-        )
+    model = require_model(data.get("model"))
     stream = data.get("stream", False)
     if stream is None:
         stream = False
@@ -92,6 +86,16 @@ def parse_request(endpoint: str, body: bytes) -> ParsedRequest:
     if "mm_processor_kwargs" in data or "multi_modal_data" in data or "media_io_kwargs" in data:
         return ParsedRequest(endpoint, data, model, stream, media, tuple(k for k in MM_KWARGS if data.get(k) is not None))
     return ParsedRequest(endpoint, data, model, stream, media)
+
+
+def require_model(model: object) -> str:
+    if model is None:
+        raise bad_request("You must provide a model parameter.", param="model", code="missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise bad_request(
+            f"`model` must be a non-empty string, not {_json_type(model)}.", param="model", code="invalid_type"
+        )
+    return model
 
 
 def _check_messages(messages: object) -> list[MediaPart] | None:

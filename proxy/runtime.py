@@ -1,6 +1,7 @@
 """Everything a running proxy holds for one config: backends, catalog, policy, client, metrics."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from proxy.auth import Authenticator
@@ -14,6 +15,8 @@ from proxy.accesslog import AccessLog
 from proxy.metrics import Metrics
 from proxy.admission import Admission
 from proxy.multimodal import MultimodalGate
+from proxy.response_owners import ResponseOwners
+from proxy.tracing import Tracing
 from proxy.outlier import Outliers
 from proxy.retry import RetryBudget
 from proxy.routing.backends import Backend
@@ -49,11 +52,22 @@ class Runtime:
                 local_load=lambda: {b.name: b.in_flight for b in self.backends},
                 on_status=lambda up: self.metrics.redis_up.set(1 if up else 0),
             )
+        # optional OpenTelemetry: wraps the policy and the upstream client (proxy/tracing.py)
+        self.tracing = Tracing(config.tracing) if config.tracing.enabled else None
         self.policy = make_policy(config.routing, self.shared)
+        if self.tracing is not None:
+            self.policy = self.tracing.policy(self.policy)
         self.catalog: dict[str, Route] = {}
         self.rebuild_catalog()
-        self.upstream = previous.upstream if previous else Upstream(config.server)
+        self.upstream = getattr(previous.upstream, "inner", previous.upstream) if previous else Upstream(config.server)
+        if self.tracing is not None:
+            self.upstream = self.tracing.upstream(self.upstream)
         self.owner = previous is None  # opens and finally closes the process-wide parts
+        # Responses API: response id -> replica, kept across reloads (proxy/response_owners.py)
+        self.response_owners = previous.response_owners if previous else ResponseOwners(
+            config.responses.max_local_records, config.redis.url if config.redis else None,
+            config.responses.owner_ttl_s, config.redis.timeout_s if config.redis else 0.05,
+        )
         self.discovery = Discovery(
             lambda: self.upstream.session, self.backends, config.discovery, self.rebuild_catalog, self._health_changed
         )
@@ -102,6 +116,7 @@ class Runtime:
         if self.owner:
             await self.upstream.open()
             self.metrics.start()
+            self.response_owners.start()
         for backend in self.backends:
             self._health_changed(backend)
         for source in self.sources:
@@ -122,6 +137,8 @@ class Runtime:
         for source in self.sources:
             await source.stop()
         await self.fleet.stop()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
         await self.lora.stop()
         await self.discovery.stop()
         if self.scraper is not None:
@@ -131,6 +148,7 @@ class Runtime:
         if self.owner:
             await self.upstream.close()
             await self.metrics.stop()
+            await self.response_owners.stop()
 
     def hand_over(self) -> None:
         """The next Runtime owns the process-wide parts now; stopping this one leaves them open."""

@@ -12,7 +12,7 @@ from proxy.parse import ENDPOINTS
 
 class Backend:
     __slots__ = (
-        "name", "salt", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "headers",
+        "name", "salt", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "headers", "api_key",
         "adapter_in_flight", "adapter_used", "adapter_epoch", "adapter_ops",
         "origin", "heads", "errors_in_row", "ejections", "ejected_until", "limit", "cache_tokens",
     )
@@ -35,19 +35,14 @@ class Backend:
         self.adapter_epoch = 0
         self.adapter_ops = 0
         self.headers = {"Content-Type": "application/json"}
-        api_key = config.upstream_key()  # plaintext, or read from the env var / file it names
+        self.api_key = api_key = config.upstream_key()  # plaintext, or read from the env var / file it names
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
         # the data path's pre-formatted request heads (proxy/http1.py), one per endpoint
         parts = urlsplit(config.url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         self.origin = (parts.scheme, parts.hostname, port)
-        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
-        base = parts.path.rstrip("/")
-        self.heads = {
-            e: f"POST {base}{e} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n{auth}".encode("latin-1")
-            for e in ENDPOINTS
-        }
+        self.heads = {e: self.head_prefix("POST", e) for e in ENDPOINTS}
         # passive outlier detection (proxy/outlier.py) and admission (max in-flight)
         self.errors_in_row = 0
         self.ejections = 0
@@ -65,8 +60,15 @@ class Backend:
                 raise ValueError(f"HTTP {resp.status}")
             return await resp.read()
 
-    def request_head(self, endpoint: str, length: int, request_id: bytes) -> bytes:
-        return self.heads[endpoint] + b"Content-Length: %d\r\nX-Request-Id: %s\r\n\r\n" % (length, request_id)
+    def head_prefix(self, method: str, target: str, content_type: bytes = b"application/json") -> bytes:
+        """The request line and fixed headers for any other endpoint (`target`: path and query)."""
+        parts = urlsplit(self.url)
+        auth = f"Authorization: Bearer {self.api_key}\r\n" if self.api_key else ""
+        line = f"{method} {parts.path.rstrip('/')}{target} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        return line.encode("latin-1") + b"Content-Type: " + content_type + b"\r\n" + auth.encode("latin-1")
+
+    def request_head(self, endpoint: str, length: int, request_id: bytes, prefix: bytes | None = None) -> bytes:
+        return (prefix or self.heads[endpoint]) + b"Content-Length: %d\r\nX-Request-Id: %s\r\n\r\n" % (length, request_id)
 
     def serves(self, model: str, adapter: str | None) -> bool:
         if adapter is None:

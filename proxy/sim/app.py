@@ -12,7 +12,10 @@ from typing import Any, Awaitable, Callable, Coroutine
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from proxy.sim import protocol, render
+from functools import partial
+
+from proxy.sim import audio, pooling, protocol, render
+from proxy.sim.responses import ResponsesAPI
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine, Request
 from proxy.sim.errors import SimError
@@ -45,6 +48,13 @@ async def read_body(receive: Callable[[], Awaitable[dict]]) -> bytes:
     return b"".join(chunks)
 
 
+POOLING = {
+    "/tokenize": pooling.tokenize, "/detokenize": pooling.detokenize,
+    "/v1/rerank": pooling.rerank, "/rerank": pooling.rerank, "/v2/rerank": pooling.rerank,
+    "/v1/score": pooling.score, "/score": pooling.score, "/classify": pooling.classify, "/pooling": pooling.pooling,
+}
+
+
 class SimApp:
     """One independent simulated replica; `engine`, `models`, `metrics`, `faults` are its live state."""
 
@@ -54,6 +64,7 @@ class SimApp:
         self.models = Models(config)
         self.engine = Engine(config, self.models, self.metrics)
         self.faults = Faults()
+        self.responses = ResponsesAPI(self.engine, self.models)
         self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
         # path -> (method, handler, watch for client disconnect)
         self._routes: dict[str, tuple[str, Handler, bool]] = {
@@ -63,6 +74,8 @@ class SimApp:
             "/v1/models": ("GET", self._list_models, False),
             "/v1/load_lora_adapter": ("POST", self._load_lora, True),
             "/v1/unload_lora_adapter": ("POST", self._unload_lora, False),
+            "/v1/responses": ("POST", self._create_response, True),
+            **{path: ("POST", partial(self._pooling, fn), False) for path, fn in POOLING.items()},
             "/health": ("GET", self._health, False),
             "/metrics": ("GET", self._metrics, False),
             "/version": ("GET", self._version, False),
@@ -84,7 +97,7 @@ class SimApp:
             if path.startswith("/sim/"):
                 await self._serve(self._sim_routes.get(path), scope, body, send)
                 return
-            route = self._routes.get(path)
+            route = self._routes.get(path) or self._dynamic_route(scope)
             work = self._serve(route, scope, body, send)
             if self.faults.hang or (route is not None and route[2]):
                 await self._until_disconnect(work, receive)
@@ -193,6 +206,50 @@ class SimApp:
         await self.engine.execute(req)
         await respond(send, 200, render.embedding_body(req, self.config.embedding_dim))
 
+    # --- Responses API, tokenizer and pooling endpoints, audio (proxy/sim/responses.py, pooling.py, audio.py)
+
+    def _dynamic_route(self, scope: dict) -> tuple[str, Handler, bool] | None:
+        path = scope["path"]
+        if path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+            ctype = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+            return "POST", partial(self._transcribe, ctype), True
+        if path.startswith("/v1/responses/"):
+            rest = path[len("/v1/responses/"):]
+            if rest.endswith("/cancel"):
+                return "POST", partial(self._cancel_response, rest[:-len("/cancel")]), False
+            return "GET", partial(self._get_response, rest), False
+        return None
+
+    async def _create_response(self, body: bytes, send: Send) -> None:
+        req = await self._admit(body, self.responses.parse)
+        answer = await self.responses.create(req, send)
+        if answer is not None:
+            await respond(send, 200, answer)
+
+    async def _get_response(self, response_id: str, body: bytes, send: Send) -> None:
+        await respond(send, 200, orjson.dumps(self.responses.get(response_id)))
+
+    async def _cancel_response(self, response_id: str, body: bytes, send: Send) -> None:
+        await respond(send, 200, orjson.dumps(self.responses.cancel(response_id)))
+
+    async def _pooling(self, fn: Callable[[dict, Models], bytes], body: bytes, send: Send) -> None:
+        if self.faults.should_fail():
+            raise SimError(self.faults.error_status, "Simulated engine failure (fault injection).")
+        await respond(send, 200, fn(protocol.parse_json(body), self.models))
+
+    async def _transcribe(self, content_type: bytes, body: bytes, send: Send) -> None:
+        if self.faults.should_fail():
+            raise SimError(self.faults.error_status, "Simulated engine failure (fault injection).")
+        t = audio.parse(body, content_type, self.models)
+        self.engine.stats.requests[self.models.resolve(t.model) or self.models.base_id] += 1
+        if not t.stream:
+            return await respond(send, 200, *reversed(audio.body(t)))
+        await send({"type": "http.response.start", "status": 200, "headers": audio.SSE_HEADERS})
+        for event in audio.events(t):
+            await asyncio.sleep(self.config.delay(self.config.itl_ms))
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
     # --- models and adapters ----------------------------------------------------------------
 
     async def _list_models(self, body: bytes, send: Send) -> None:
@@ -255,6 +312,7 @@ class SimApp:
         """Clear faults, prefix cache and /sim/stats counters (Prometheus counters keep counting)."""
         self.faults.reset()
         self.engine.reset()
+        self.responses.reset()
         await respond(send, 200, orjson.dumps(self.stats()))
 
 

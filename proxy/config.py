@@ -18,6 +18,7 @@ class Timeouts(Strict):
     connect: float = Field(5.0, gt=0)
     first_byte: float = Field(600.0, gt=0)
     idle: float = Field(300.0, gt=0, description="longest silence between two chunks of a stream")
+    total: float = Field(3600.0, gt=0, description="longest whole upstream exchange, streams included")
 
 
 class RetryConfig(Strict):
@@ -45,6 +46,7 @@ class ServerConfig(Strict):
         1, ge=1, description="processes, each with its own SO_REUSEPORT socket; share routing state via `redis`"
     )
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    max_response_bytes: int = Field(64 * 1024 * 1024, gt=0, description="largest non-streaming upstream body buffered; beyond: 502")
     keep_alive_s: float = Field(75.0, gt=0, description="client keep-alive; outlasts common client pools")
     upstream_keep_alive_s: float = Field(4.0, gt=0, description="shorter than vLLM's own 5 s keep-alive")
     timeouts: Timeouts = Timeouts()

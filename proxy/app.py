@@ -77,7 +77,7 @@ class ProxyApp:
             return
         if rt.auth is not None and path not in OPEN_PATHS and (path != "/metrics" or rt.auth.protect_metrics):
             try:
-                scope["vllm_proxy.client"] = rt.auth.client(scope)
+                scope["vllm_proxy.client"] = rt.auth.client(scope, path == "/metrics")
             except ProxyError as err:
                 await send_error(send, err)
                 return

@@ -235,7 +235,10 @@ class ApiKey(Strict):
 
 class AuthConfig(Strict):
     keys: list[ApiKey] = []
-    protect_metrics: bool = False
+    protect_metrics: bool | None = Field(
+        None, description="require a key for /metrics; unset: required when a key is limited to some deployments "
+        "(metric labels would name what that key hides); only keys for every deployment may read it"
+    )
     admin_key_env: str | None = Field(
         None, description="env var holding the key for POST /admin/reload; unset disables the endpoint"
     )

@@ -320,3 +320,28 @@ def test_legitimate_media_still_passes(trusted) -> None:
     ):
         resp = httpx.post(trusted.url + CHAT, json=mm(part), timeout=WAIT)
         assert resp.status_code == 200, (part, resp.text)
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+def test_metrics_do_not_name_deployments_that_keys_hide(servers: Servers, monkeypatch) -> None:
+    """Before: with keys limited to some deployments, /metrics was open and its labels named all."""
+    import hashlib
+
+    sim = servers.sim()
+    proxy = servers.proxy({
+        "backends": [{"name": "gpu-0", "url": sim.url, "models": [MODEL]}],
+        "deployments": [{"name": "public", "model": MODEL}, {"name": "secret-project", "model": MODEL}],
+        "auth": {"keys": [
+            {"name": "ops", "sha256": hashlib.sha256(b"ops-key").hexdigest()},
+            {"name": "team", "sha256": hashlib.sha256(b"team-key").hexdigest(), "deployments": ["public"]},
+        ]},
+    })
+    assert httpx.post(proxy.url + CHAT, json={**chat(), "model": "secret-project"},
+                      headers={"authorization": "Bearer ops-key"}, timeout=WAIT).status_code == 200
+    anonymous = httpx.get(proxy.url + "/metrics", timeout=WAIT)
+    assert anonymous.status_code == 401 and b"secret-project" not in anonymous.content
+    limited = httpx.get(proxy.url + "/metrics", headers={"authorization": "Bearer team-key"}, timeout=WAIT)
+    assert limited.status_code == 403 and b"secret-project" not in limited.content
+    full = httpx.get(proxy.url + "/metrics", headers={"authorization": "Bearer ops-key"}, timeout=WAIT)
+    assert full.status_code == 200 and b"secret-project" in full.content

@@ -216,11 +216,6 @@ class _Connection(asyncio.Protocol):
                     self.key[1], self.key[2], size if size >= 0 else "more")
         self.abort()
 
-    def on_message_begin(self) -> None:
-        response = self.response
-        if response is not None and response.done:
-            raise _Stop  # a second response to one request: never read it as the next request's answer
-
     def on_header(self, name: bytes, value: bytes) -> None:
         size = len(name)
         if size == 12 and name.lower() == b"content-type":
@@ -236,6 +231,8 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         response = self.response
+        if response.done:  # type: ignore[union-attr]
+            raise _Stop  # a second response to one request: never read it as the next request's answer
         status = self.parser.get_status_code()  # type: ignore[union-attr]
         if 100 <= status < 200:
             if status == 101:  # we never ask for an upgrade
@@ -326,33 +323,26 @@ class Pool:
         seconds. A request is written once: if a pooled connection turns out dead after the
         write, that is an error, never a second send (the upstream may have started it: an LLM
         call is not idempotent)."""
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        total = getattr(timeouts, "total", None)
-        deadline = now + total if total else float("inf")
         conn = self._reuse(key)
         if conn is None:
             conn = await self._connect(key, timeouts.connect)
-        response = conn.start(head + body, timeouts.idle, deadline)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        response = conn.start(head + body, timeouts.idle, now + timeouts.total)
+        # The head must be complete by `by`: one dripping in byte by byte does not extend it.
+        by = now + timeouts.first_byte
         try:
-            await self._headers(response, min(deadline, now + timeouts.first_byte))
+            while not response.status:
+                if response._error is not None:
+                    raise response._error
+                left = by - loop.time()
+                if left <= 0:
+                    raise UpstreamError("timeout", "the upstream did not answer in time")
+                await response._wait(left, "the upstream did not answer in time")
         except BaseException:
             conn.abort()
             raise
         return response
-
-    @staticmethod
-    async def _headers(response: Response, by: float) -> None:
-        """Wait for the response head until `by` (loop time): a head dripping in byte by byte
-        does not extend it."""
-        loop = asyncio.get_running_loop()
-        while not response.status:
-            if response._error is not None:
-                raise response._error
-            left = by - loop.time()
-            if left <= 0:
-                raise UpstreamError("timeout", "the upstream did not answer in time")
-            await response._wait(left, "the upstream did not answer in time")
 
     def close(self) -> None:
         for conns in self._idle.values():

@@ -43,12 +43,12 @@ LEAN_PATHS = frozenset(
 _DISCONNECT_MESSAGE = {"type": "http.disconnect"}
 
 
-_HEAD, _BODY, _APP, _IDLE, _LINGER = range(5)  # reading a head, a body; app; keep-alive; refused
+_HEAD, _BODY, _REST, _LINGER = range(4)  # reading a head, a body; neither (app or keep-alive); refused
 _LINGER_S = 2.0  # after a refusal, read and discard this long so the client sees the answer, not a reset
 
 
 class _Refused(Exception):
-    """Raised in a parser callback to stop parsing a request that gets `status` instead."""
+    """Raised in a parser callback to stop parsing a request that gets a 431 instead."""
 
 
 class ProxyProtocol(HttpToolsProtocol):
@@ -68,7 +68,7 @@ class ProxyProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._phase = _HEAD  # an idle new connection waits for a head: the header timeout applies
-        self._since = self.loop.time()  # when the current phase (head) or the last body read began
+        self._since = self.loop.time()  # when the head began, or the body last made progress (0: not yet)
         self._head_bytes = 0  # received since the current head began (>= its size, bounded by one read)
         self._refusal: tuple[int, str, str] | None = None
         self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
@@ -123,41 +123,37 @@ class ProxyProtocol(HttpToolsProtocol):
             self._refuse(400, msg, "invalid_http_request")
 
     def data_received(self, data: bytes) -> None:
+        # The common request arrives whole in one read: no clock is read for it. The clock starts
+        # only for a head or body that a read leaves incomplete.
         phase = self._phase
-        if phase == _LINGER:
-            return
-        if phase == _BODY:
+        if phase == _REST:  # the next head begins (with its first byte, even a CRLF llhttp skips)
+            self._phase = phase = _HEAD
+            self._head_bytes = 0
+            self._since = 0.0
+        elif phase == _BODY:
             self._since = self.loop.time()
-        elif phase != _APP:
+        elif phase == _LINGER:
+            return
+        if phase == _HEAD:
             self._head_bytes += len(data)
         super().data_received(data)
-        if self._phase == _HEAD and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
-            self._refuse(431, f"Request header fields exceed {self.max_header_bytes} bytes.", "headers_too_large")
+        phase = self._phase
+        if phase != _REST:
+            if not self._since:
+                self._since = self.loop.time()
+            if phase == _HEAD and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
+                self._refuse(431, f"Request header fields exceed {self.max_header_bytes} bytes.", "headers_too_large")
 
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        if self._phase != _HEAD:  # a new connection's first head counts from the connection
-            self._phase = _HEAD
-            self._since = self.loop.time()
-
-    def _check_head(self) -> None:
-        """Header count and size limits, in on_headers_complete (raises _Refused)."""
+    def _refuse_head(self) -> None:
+        """Header count and size limits, checked in on_headers_complete (raises _Refused)."""
         if len(self.headers) > self.max_headers:
             self._refusal = (431, f"More than {self.max_headers} request header fields.", "headers_too_large")
             raise _Refused
-        if self._head_bytes > self.max_header_bytes:  # the read held more than the head: measure it
-            size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
-            if size > self.max_header_bytes:
-                self._refusal = (431, f"Request header fields exceed {self.max_header_bytes} bytes.", "headers_too_large")
-                raise _Refused
-        self._phase = _BODY
-        self._since = self.loop.time()
-        self._head_bytes = 0
-
-    def on_response_complete(self) -> None:
-        if self._phase == _APP:
-            self._phase = _IDLE
-        super().on_response_complete()
+        # the read held more than the head (its body, say): measure the head itself
+        size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        if size > self.max_header_bytes:
+            self._refusal = (431, f"Request header fields exceed {self.max_header_bytes} bytes.", "headers_too_large")
+            raise _Refused
 
     def connection_lost(self, exc: Exception | None) -> None:
         watch = getattr(self, "_watch", None)
@@ -172,7 +168,10 @@ class ProxyProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def on_headers_complete(self) -> None:
-        self._check_head()
+        if len(self.headers) > self.max_headers or self._head_bytes > self.max_header_bytes:
+            self._refuse_head()
+        self._phase = _BODY
+        self._since = 0.0
         cycle = self.cycle
         if (
             self.url in LEAN_PATHS
@@ -212,7 +211,7 @@ class ProxyProtocol(HttpToolsProtocol):
             cycle.wake()
 
     def on_message_complete(self) -> None:
-        self._phase = _APP
+        self._phase = _REST
         cycle = self.cycle
         if type(cycle) is not LeanCycle:
             super().on_message_complete()

@@ -81,6 +81,22 @@ def test_slow_drip_head_is_closed_with_408(guarded) -> None:
     assert b'"code":"request_timeout"' in answer
 
 
+def test_keep_alive_connection_dripping_blank_lines_is_closed(guarded) -> None:
+    """Blank lines between requests start no request in the parser: they must not hold a
+    keep-alive connection open forever either."""
+    with connect(guarded) as sock:
+        sock.sendall(request(orjson.dumps(chat())))
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        try:
+            for _ in range(400):
+                sock.sendall(b"\r\n")
+                time.sleep(0.05)  # the drip under test, not a barrier
+        except (BrokenPipeError, ConnectionResetError):
+            return
+        raise AssertionError("the connection stayed open")
+
+
 def test_stalled_body_is_closed(guarded) -> None:
     with connect(guarded) as sock:
         sock.sendall(request(b"x" * 100)[:-90])  # head and 10 of 100 body bytes, then nothing

@@ -9,6 +9,8 @@ baseline. The proxy (`vllm-proxy serve`) forwards to loadtest.fast_backend.
 
     python -m loadtest.hostile                         # 2000 conns + 2 big-header clients, 60 s
     python -m loadtest.hostile --conns 500 --duration 20 --header-timeout 5
+    python -m loadtest.hostile --conns 5000 --proxy-fd-limit 4096   # more sockets than the proxy has fds
+    python -m loadtest.hostile --conns 0 --big 10 --header-mib 64   # the review's 10 x 64 MiB headers
 """
 from __future__ import annotations
 
@@ -47,25 +49,37 @@ def rss_mib(pid: int) -> float:
 
 async def _probe(port: int, seconds: float, out) -> None:
     async def one(path: bytes, body: bytes | None) -> list[float]:
-        reader, writer = await asyncio.open_connection(HOST, port)
         if body is None:
             req = b"GET %s HTTP/1.1\r\nhost: x\r\n\r\n" % path
         else:
             req = b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
                 path, len(body), body)
-        times = []
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            t0 = time.perf_counter()
+
+        async def exchange(reader, writer) -> bool:
             writer.write(req)
             head = await reader.readuntil(b"\r\n\r\n")
             length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
             await reader.readexactly(length)
-            times.append(time.perf_counter() - t0)
-            if not head.startswith(b"HTTP/1.1 200"):
-                times[-1] = float("inf")
+            return head.startswith(b"HTTP/1.1 200")
+
+        times: list[float] = []
+        conn = None
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            try:  # a failure (refused, reset, 5 s without an answer) counts as failed, then reconnect
+                if conn is None:
+                    conn = await asyncio.wait_for(asyncio.open_connection(HOST, port), 5)
+                good = await asyncio.wait_for(exchange(*conn), 5)
+                times.append(time.perf_counter() - t0 if good else float("inf"))
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, IndexError, ValueError):
+                times.append(float("inf"))
+                if conn is not None:
+                    conn[1].close()
+                conn = None
             await asyncio.sleep(0.02)
-        writer.close()
+        if conn is not None:
+            conn[1].close()
         return times
 
     health, chat = await asyncio.gather(one(b"/health", None), one(b"/v1/chat/completions", CHAT))
@@ -84,8 +98,9 @@ def pct(values: list[float], q: float) -> float:
 # -- the attack ------------------------------------------------------------------------------------
 
 class Attack:
-    def __init__(self, port: int, conns: int, big: int) -> None:
+    def __init__(self, port: int, conns: int, big: int, header_mib: float) -> None:
         self.port, self.conns, self.big = port, conns, big
+        self.header_bytes = int(header_mib * (1 << 20))
         self.open = 0
         self.reopened = 0
         self.refused = {}  # status line -> count, for the big-header clients
@@ -119,7 +134,7 @@ class Attack:
             self.reopened += 1
 
     async def big_headers(self) -> None:
-        req = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (2 << 20) +
+        req = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * self.header_bytes +
                b"\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(CHAT), CHAT))
         while not self.stop:
             try:
@@ -149,7 +164,9 @@ class Attack:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conns", type=int, default=2000, help="idle + slow-drip connections held open")
-    ap.add_argument("--big", type=int, default=2, help="clients sending 2 MiB headers back to back")
+    ap.add_argument("--big", type=int, default=2, help="clients sending big headers back to back")
+    ap.add_argument("--header-mib", type=float, default=2.0, help="size of their header")
+    ap.add_argument("--proxy-fd-limit", type=int, default=None, help="run the proxy with this RLIMIT_NOFILE")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of attack")
     ap.add_argument("--baseline", type=float, default=10.0, help="seconds of probing before the attack")
     ap.add_argument("--header-timeout", type=float, default=None, help="server.header_timeout_s (default: the config default)")
@@ -166,14 +183,17 @@ def main() -> None:
                                     f'  - {{name: b0, url: "http://{HOST}:{backend_port}", models: [bench-model]}}\n'
                                     "routing: {policy: least_loaded}\n")
     exe = Path(sys.executable).with_name("vllm-proxy")
-    proxy = spawn("proxy", [str(exe), "serve", "--config", str(tmp / "proxy.yaml")], tmp)
+    cmd = [str(exe), "serve", "--config", str(tmp / "proxy.yaml")]
+    if args.proxy_fd_limit:
+        cmd = ["sh", "-c", f'ulimit -n {args.proxy_fd_limit} && exec "$0" "$@"', *cmd]
+    proxy = spawn("proxy", cmd, tmp)
     try:
         wait_ready(backend, f"http://{HOST}:{backend_port}/health")
         wait_ready(proxy, f"http://{HOST}:{port}/ready")
         pid = proxy.popen.pid
         results = {}
         for phase, seconds, attack in (("baseline", args.baseline, None),
-                                       ("attack", args.duration, Attack(port, args.conns, args.big))):
+                                       ("attack", args.duration, Attack(port, args.conns, args.big, args.header_mib))):
             queue: multiprocessing.Queue = multiprocessing.Queue()
             prober = multiprocessing.Process(target=probe, args=(port, seconds, queue))
             rss = [rss_mib(pid)]
@@ -192,12 +212,14 @@ def main() -> None:
             got = queue.get(timeout=60)
             prober.join()
             results[phase] = (got, rss, attack)
-        print(f"proxy pid {pid}, fd limit {limit}, {args.conns} idle/slow-drip connections + {args.big} clients "
-              f"sending 2 MiB headers, {args.duration:.0f} s (machine shared: numbers are indicative)")
+        print(f"proxy pid {pid} (fd limit {args.proxy_fd_limit or limit}), {args.conns} idle/slow-drip connections + "
+              f"{args.big} clients sending {args.header_mib:g} MiB headers, {args.duration:.0f} s "
+              "(machine shared: numbers are indicative)")
         for phase, (got, rss, attack) in results.items():
             for name in ("health", "chat"):
                 t = got[name]
                 failed = sum(1 for x in t if x == float("inf"))
+                t = [x for x in t if x != float("inf")]
                 print(f"  {phase:8s} {name:6s} n={len(t):5d} p50={pct(t, .5):6.2f} ms p99={pct(t, .99):6.2f} ms "
                       f"max={pct(t, 1.0):7.2f} ms failed={failed}")
             print(f"  {phase:8s} proxy RSS MiB: start {rss[0]:.0f}, max {max(rss):.0f}, end {rss[-1]:.0f}")

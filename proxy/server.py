@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 from typing import Any
 
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
@@ -58,6 +59,11 @@ class ProxyProtocol(HttpToolsProtocol):
     body_timeout_s = 30.0
     max_header_bytes = 64 * 1024
     max_headers = 100
+    # Beyond this many open connections (default: 3/4 of the fd limit), connections that hold a
+    # slot without a request in progress (idle, or a head or body stalled for a second) are
+    # closed, at most every half second, so that new clients still get a file descriptor.
+    shed_above: int | None = None
+    _last_shed = 0.0
 
     @classmethod
     def configured(cls, server: Any) -> type["ProxyProtocol"]:
@@ -72,6 +78,38 @@ class ProxyProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # received since the current head began (>= its size, bounded by one read)
         self._refusal: tuple[int, str, str] | None = None
         self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
+        if len(self.connections) > self._shed_threshold():
+            self._shed()
+
+    @classmethod
+    def _shed_threshold(cls) -> int:
+        if cls.shed_above is None:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            cls.shed_above = soft * 3 // 4 if soft != resource.RLIM_INFINITY else 1 << 30
+        return cls.shed_above
+
+    def _shed(self) -> None:
+        now = self.loop.time()
+        if now - ProxyProtocol._last_shed < 0.5:
+            return
+        ProxyProtocol._last_shed = now
+        shed = 0
+        for conn in list(self.connections):
+            if conn is not self and isinstance(conn, ProxyProtocol) and conn._idle_for(now) > 1.0:
+                conn.transport.close()
+                shed += 1
+        log.warning("%d open connections exceed %d: closed %d idle or stalled ones",
+                    len(self.connections), self.shed_above, shed)
+
+    def _idle_for(self, now: float) -> float:
+        """How long this connection has held its slot without a request making progress."""
+        phase = self._phase
+        if phase == _HEAD or phase == _BODY:
+            return now - self._since if self._since else 0.0
+        keep_alive = self.timeout_keep_alive_task  # armed by uvicorn while a connection idles
+        if phase == _REST and keep_alive is not None:
+            return now - (keep_alive.when() - self.timeout_keep_alive)
+        return 0.0
 
     def _tick_s(self) -> float:
         return min(self.header_timeout_s, self.body_timeout_s) / 4

@@ -97,6 +97,30 @@ def test_keep_alive_connection_dripping_blank_lines_is_closed(guarded) -> None:
         raise AssertionError("the connection stayed open")
 
 
+def test_idle_connections_are_shed_when_connections_run_short(servers: Servers) -> None:
+    """Before: idle sockets held their file descriptors until the fd limit was reached, and then
+    /health itself could not connect. The header timeout here is long: only shedding closes them."""
+    sim = servers.sim()
+    proxy = servers.proxy({"backends": [{"name": "gpu-0", "url": sim.url}]},
+                          http=limits(header_timeout_s=60.0, shed_above=40))
+    idle = [connect(proxy) for _ in range(60)]
+    try:
+        time.sleep(1.2)  # they must be idle for over a second to be shed: the condition under test
+        assert httpx.get(proxy.url + "/health", timeout=WAIT).status_code == 200
+        closed = 0
+        for sock in idle:
+            sock.settimeout(WAIT)
+            try:
+                closed += read_all(sock) == b""
+            except socket.timeout:
+                pass
+        assert closed >= 50
+        assert httpx.post(proxy.url + CHAT, json=chat(), timeout=WAIT).status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+
+
 def test_stalled_body_is_closed(guarded) -> None:
     with connect(guarded) as sock:
         sock.sendall(request(b"x" * 100)[:-90])  # head and 10 of 100 body bytes, then nothing

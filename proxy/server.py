@@ -11,7 +11,7 @@ cancels the request task directly (`scope[DISCONNECT].arm()`, see proxy/inferenc
 
 Everything else (other paths, pipelined requests, `Expect: 100-continue`, upgrades, keep-alive,
 flow control, graceful shutdown) stays uvicorn's. Use it with `uvicorn.Config(http=ProxyProtocol)`
-(or `ProxyProtocol.configured(server_config)`).
+(or `http=ProxyProtocol.configured(server_config)`).
 
 uvicorn's httptools protocol has no read timeouts and no header limits: a socket that never sends,
 or drips a byte every few seconds, stays open for good, and a 256 MiB header is buffered (and
@@ -25,6 +25,7 @@ connection checks these a few times per timeout; a request pays a few attribute 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import resource
 from typing import Any
@@ -65,11 +66,19 @@ class ProxyProtocol(HttpToolsProtocol):
     shed_above: int | None = None
     _last_shed = 0.0
 
+    _LIMITS = ("header_timeout_s", "body_timeout_s", "max_header_bytes", "max_headers")
+
     @classmethod
-    def configured(cls, server: Any) -> type["ProxyProtocol"]:
-        """A ProxyProtocol with the read timeouts and header limits of `server` (a ServerConfig)."""
-        names = ("header_timeout_s", "body_timeout_s", "max_header_bytes", "max_headers")
-        return type(cls.__name__, (cls,), {name: getattr(server, name) for name in names})
+    def configured(cls, server: Any) -> "functools.partial[ProxyProtocol]":
+        """The protocol factory with the read timeouts and header limits of `server` (a
+        ServerConfig); a partial, not a subclass, so uvicorn options still pickle to workers."""
+        return functools.partial(cls, limits=tuple(getattr(server, name) for name in cls._LIMITS))
+
+    def __init__(self, *args: Any, limits: tuple | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if limits is not None:
+            for name, value in zip(self._LIMITS, limits):
+                setattr(self, name, value)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

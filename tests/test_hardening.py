@@ -385,3 +385,15 @@ def test_metrics_do_not_name_deployments_that_keys_hide(servers: Servers, monkey
     assert limited.status_code == 403 and b"secret-project" not in limited.content
     full = httpx.get(proxy.url + "/metrics", headers={"authorization": "Bearer ops-key"}, timeout=WAIT)
     assert full.status_code == 200 and b"secret-project" in full.content
+
+
+def test_serve_passes_the_configured_limits_to_the_protocol() -> None:
+    import pickle
+
+    from proxy.cli import uvicorn_options
+    from proxy.config import parse_config
+
+    config = parse_config({"backends": [{"name": "b", "url": "http://127.0.0.1:1"}],
+                           "server": {"header_timeout_s": 7, "body_timeout_s": 9, "max_header_bytes": 4096, "max_headers": 20}})
+    factory = pickle.loads(pickle.dumps(uvicorn_options(config)["http"]))  # workers get it pickled
+    assert factory.keywords["limits"] == (7, 9, 4096, 20)

@@ -312,7 +312,7 @@ class Pool:
         deadline = time.monotonic() - self.keep_alive_s
         while idle:
             conn = idle.pop()
-            if not conn.closed and conn.idle_since > deadline and not conn.transport.is_closing():
+            if not conn.closed and conn.idle_since > deadline:
                 return conn
             conn.abort()
         return None
@@ -329,16 +329,18 @@ class Pool:
         loop = asyncio.get_running_loop()
         now = loop.time()
         response = conn.start(head + body, timeouts.idle, now + timeouts.total)
-        # The head must be complete by `by`: one dripping in byte by byte does not extend it.
-        by = now + timeouts.first_byte
+        # The head must be complete by `by`: one dripping in byte by byte (or interim responses)
+        # does not extend it.
+        left = timeouts.first_byte
+        by = now + left
         try:
             while not response.status:
                 if response._error is not None:
                     raise response._error
-                left = by - loop.time()
                 if left <= 0:
                     raise UpstreamError("timeout", "the upstream did not answer in time")
                 await response._wait(left, "the upstream did not answer in time")
+                left = by - loop.time()
         except BaseException:
             conn.abort()
             raise

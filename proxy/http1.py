@@ -193,12 +193,6 @@ class _Connection(asyncio.Protocol):
             self._excess(len(data))  # bytes nobody asked for: the connection is not reusable
             return
         response.got_bytes = True
-        if not response.status:
-            self._head_bytes += len(data)
-            if self._head_bytes > _MAX_HEAD:
-                response._fail(UpstreamError("protocol", f"the upstream's response head exceeds {_MAX_HEAD} bytes"))
-                self.abort()
-                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -208,8 +202,15 @@ class _Connection(asyncio.Protocol):
             if not isinstance(exc.__context__, _Stop):
                 response._fail(UpstreamError("protocol", f"malformed response from the upstream: {exc}"))
             self.abort()
+            return
         except httptools.HttpParserUpgrade:
             self.abort()  # on_headers_complete refused the 101 already
+            return
+        if not response.status:  # a head still incomplete after this read (rare): bound it
+            self._head_bytes += len(data)
+            if self._head_bytes > _MAX_HEAD:
+                response._fail(UpstreamError("protocol", f"the upstream's response head exceeds {_MAX_HEAD} bytes"))
+                self.abort()
 
     def _excess(self, size: int) -> None:
         log.warning("upstream %s:%s sent %s bytes past the end of its response; discarded, connection closed",

@@ -43,6 +43,7 @@ LEAN_PATHS = frozenset(
                          "/chat/completions", "/completions", "/embeddings")
 )
 _DISCONNECT_MESSAGE = {"type": "http.disconnect"}
+_feed = HttpToolsProtocol.data_received  # called directly: super() costs per read
 
 
 _HEAD, _BODY, _REST, _LINGER = range(4)  # reading a head, a body; neither (app or keep-alive); refused
@@ -183,7 +184,7 @@ class ProxyProtocol(HttpToolsProtocol):
             return
         if phase == _HEAD:
             self._head_bytes += len(data)
-        super().data_received(data)
+        _feed(self, data)
         phase = self._phase
         if phase != _REST:
             if not self._since:

@@ -99,7 +99,7 @@ class ProxyApp:
             return
         if rt.auth is not None and path not in OPEN_PATHS and (path != "/metrics" or rt.auth.protect_metrics):
             try:
-                scope["vllm_proxy.client"] = rt.auth.client(scope)
+                scope["vllm_proxy.client"] = rt.auth.client(scope, path == "/metrics")
             except ProxyError as err:
                 await send_error(send, err)
                 inference.refused(rt, scope, INFERENCE.get(path) or (path if path in GETS else "other"), err.status)

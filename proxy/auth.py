@@ -33,7 +33,8 @@ class Client:
 
 class Authenticator:
     def __init__(self, config: AuthConfig) -> None:
-        self.protect_metrics = config.protect_metrics
+        limited = any(entry.deployments is not None for entry in config.keys)
+        self.protect_metrics = limited if config.protect_metrics is None else config.protect_metrics
         self._keys: list[tuple[bytes, Client]] = []
         for i, entry in enumerate(config.keys):
             stored = stored_digest(entry, i)
@@ -43,8 +44,10 @@ class Authenticator:
             deployments = frozenset(entry.deployments) if entry.deployments is not None else None
             self._keys.append((stored, Client(entry.name, deployments)))
 
-    def client(self, scope: Scope) -> Client:
-        """The caller, or a 401: every stored digest is compared, so timing says nothing."""
+    def client(self, scope: Scope, every_deployment: bool = False) -> Client:
+        """The caller, or a 401: every stored digest is compared, so timing says nothing. With
+        `every_deployment` (for /metrics, whose labels name every deployment), a key limited to
+        some deployments is a 403."""
         token = bearer(scope)
         if token is None:
             raise unauthorized("You didn't provide an API key. Send `Authorization: Bearer <key>`.")
@@ -55,6 +58,9 @@ class Authenticator:
                 found = client
         if found is None:
             raise unauthorized("Incorrect API key provided.")
+        if every_deployment and found.deployments is not None:
+            raise ProxyError(403, "This API key may not read metrics of every deployment.", code="forbidden",
+                             type="permission_error")
         return found
 
 

@@ -21,7 +21,7 @@ def uvicorn_options(config: ProxyConfig) -> dict:
 
     return {
         "loop": "uvloop",
-        "http": ProxyProtocol,
+        "http": ProxyProtocol.configured(config.server),
         "lifespan": "on",
         "access_log": False,
         "server_header": False,

@@ -19,6 +19,7 @@ class Timeouts(Strict):
     connect: float = Field(5.0, gt=0)
     first_byte: float = Field(600.0, gt=0)
     idle: float = Field(300.0, gt=0, description="longest silence between two chunks of a stream")
+    total: float = Field(3600.0, gt=0, description="longest whole upstream exchange, streams included")
 
 
 class RetryConfig(Strict):
@@ -46,6 +47,11 @@ class ServerConfig(Strict):
         1, ge=1, description="processes, each with its own SO_REUSEPORT socket; share routing state via `redis`"
     )
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    header_timeout_s: float = Field(30.0, gt=0, description="a request head must arrive within this; an idle new connection is closed then")
+    body_timeout_s: float = Field(30.0, gt=0, description="longest stall while reading a request body")
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line and headers beyond this: 431")
+    max_headers: int = Field(100, ge=1, description="more request header fields than this: 431")
+    max_response_bytes: int = Field(64 * 1024 * 1024, gt=0, description="largest non-streaming upstream body buffered; beyond: 502")
     keep_alive_s: float = Field(75.0, gt=0, description="client keep-alive; outlasts common client pools")
     upstream_keep_alive_s: float = Field(4.0, gt=0, description="shorter than vLLM's own 5 s keep-alive")
     timeouts: Timeouts = Timeouts()
@@ -313,7 +319,10 @@ class ApiKey(Strict):
 
 class AuthConfig(Strict):
     keys: list[ApiKey] = []
-    protect_metrics: bool = False
+    protect_metrics: bool | None = Field(
+        None, description="require a key for /metrics; unset: required when a key is limited to some deployments "
+        "(metric labels would name what that key hides); only keys for every deployment may read it"
+    )
     admin_key_env: str | None = Field(
         None, description="env var holding the key for POST /admin/reload; unset disables the endpoint"
     )

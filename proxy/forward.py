@@ -75,7 +75,7 @@ class Upstream:
         self.server = server
         t = server.timeouts
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.first_byte)
-        self.pool = Pool(server.upstream_keep_alive_s)
+        self.pool = Pool(server.upstream_keep_alive_s, server.max_response_bytes)
         self.keepalive = server.sse_keepalive_s
         self.session: aiohttp.ClientSession | None = None
 
@@ -138,7 +138,7 @@ class Upstream:
                 await self._relay_stream(resp, send, headers_out, rename, progress, headers_at)
                 return status
             try:
-                payload = await resp.read()
+                payload = await resp.read(self.pool.max_body_bytes)
             except UpstreamError as exc:
                 raise _failure(exc) from None
             read_at = perf_counter()

@@ -4,36 +4,53 @@ Measured on the overhead benchmark, aiohttp's ClientSession spent ~60 % of the p
 forwarded request building and tracking request objects we do not need. This client writes one
 pre-formatted request in one call, parses the answer with httptools (chunked decoding in C), and
 hands body bytes over as they arrive — batched when several arrive between two reads of ours.
-Timeouts: connect, first byte (headers) and the idle gap between body chunks.
+Timeouts: connect, first byte (headers), the idle gap between body chunks and a total deadline.
+
+The upstream is not trusted to speak HTTP well (a broken replica, an intermediary), and a reply
+read for the wrong request would hand one user's completion to another. So, as nginx and Envoy
+do: interim 1xx responses are skipped (101 was never asked for: 502), a status outside 100-599
+is a 502, bytes past the end of a response are discarded and retire the connection, a body
+delimited by the connection's end is complete at that end, a plain body is buffered only up to
+a limit, and a request already written is never sent again (the upstream may have run it).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 import time
 from typing import Optional
 
 import httptools
 
-_HIGH_WATER = 1 << 20
-PING = b": ping\n\n"  # an SSE comment: clients ignore it, idle-timeout proxies see traffic  # pause reading the upstream when this much is buffered for a slow client
+_HIGH_WATER = 1 << 20  # pause reading the upstream when this much is buffered for a slow client
+_MAX_HEAD = 1 << 20  # an upstream's status line and headers beyond this are a protocol error
+PING = b": ping\n\n"  # an SSE comment: clients ignore it, idle-timeout proxies see traffic
+
+log = logging.getLogger("vllm_proxy.upstream")
 
 
 class UpstreamError(Exception):
-    """`kind`: connect | timeout | reset — as the metrics and the error mapping name them."""
+    """`kind`: connect | timeout | reset | protocol — as the metrics and the error mapping name
+    them. `protocol`: the upstream broke HTTP (bad status, unasked upgrade, oversized answer)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
 
 
-class Response:
-    __slots__ = ("status", "content_type", "_conn", "_buf", "_size", "_waiter", "done", "_error", "_idle_timeout",
-                 "keep_alive", "got_bytes", "_boundary")
+class _Stop(Exception):
+    """Raised inside a parser callback to stop parsing the rest of the data."""
 
-    def __init__(self, conn: "_Connection", idle_timeout: float) -> None:
+
+class Response:
+    __slots__ = ("status", "content_type", "content_length", "_conn", "_buf", "_size", "_waiter", "done", "_error",
+                 "_idle_timeout", "_deadline", "keep_alive", "got_bytes", "_boundary")
+
+    def __init__(self, conn: "_Connection", idle_timeout: float, deadline: float) -> None:
         self.status = 0
         self.content_type = b"application/json"
+        self.content_length = -1  # -1: not given (chunked, or delimited by the connection's end)
         self._conn = conn
         self._buf: list[bytes] = []
         self._size = 0
@@ -41,6 +58,7 @@ class Response:
         self.done = False
         self._error: Optional[UpstreamError] = None
         self._idle_timeout = idle_timeout
+        self._deadline = deadline  # loop.time() by which the whole exchange must be over
         self.keep_alive = False
         self.got_bytes = False
         self._boundary = True  # the body handed out so far ends between two SSE events
@@ -66,6 +84,11 @@ class Response:
     # -- used by the proxy ----------------------------------------------------------------
     async def _wait(self, timeout: float, what: str) -> None:
         loop = asyncio.get_running_loop()
+        left = self._deadline - loop.time()
+        if left < timeout:
+            if left <= 0:
+                raise UpstreamError("timeout", "the upstream exceeded the total deadline")
+            timeout, what = left, "the upstream exceeded the total deadline"
         self._waiter = waiter = loop.create_future()
         timer = loop.call_later(timeout, _expire, waiter, what)
         try:
@@ -94,6 +117,8 @@ class Response:
             try:
                 await self._wait(min(keepalive, left), "the upstream went silent mid-body")
             except UpstreamError:
+                if asyncio.get_running_loop().time() >= self._deadline:
+                    raise
                 if self._boundary and not self._buf and time.monotonic() - silent_since < self._idle_timeout:
                     return PING
         data = self._buf[0] if len(self._buf) == 1 else b"".join(self._buf)
@@ -104,10 +129,17 @@ class Response:
         self._size = 0
         return data
 
-    async def read(self) -> bytes:
+    async def read(self, limit: Optional[int] = None) -> bytes:
+        """The whole body; more than `limit` bytes is an UpstreamError (nothing is buffered past it)."""
+        if limit is not None and self.content_length > limit:
+            raise UpstreamError("protocol", f"the upstream's response body ({self.content_length} bytes) exceeds {limit} bytes")
         parts = []
+        size = 0
         while (chunk := await self.next_chunk()) is not None:
             parts.append(chunk)
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise UpstreamError("protocol", f"the upstream's response body exceeds {limit} bytes")
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def close(self) -> None:
@@ -129,7 +161,8 @@ def _expire(waiter: asyncio.Future, what: str) -> None:
 
 
 class _Connection(asyncio.Protocol):
-    __slots__ = ("pool", "key", "transport", "parser", "response", "closed", "idle_since")
+    __slots__ = ("pool", "key", "transport", "parser", "response", "closed", "idle_since", "_interim", "_framed",
+                 "_head_bytes")
 
     def __init__(self, pool: "Pool", key: tuple) -> None:
         self.pool = pool
@@ -139,41 +172,91 @@ class _Connection(asyncio.Protocol):
         self.response: Optional[Response] = None
         self.closed = False
         self.idle_since = 0.0
+        self._interim = False  # the message being parsed is a 1xx interim response
+        self._framed = False  # the final response has a Content-Length or is chunked
+        self._head_bytes = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def start(self, request: bytes, idle_timeout: float) -> Response:
-        self.response = response = Response(self, idle_timeout)
+    def start(self, request: bytes, idle_timeout: float, deadline: float) -> Response:
+        self.response = response = Response(self, idle_timeout, deadline)
         self.parser = httptools.HttpResponseParser(self)
+        self._interim = self._framed = False
+        self._head_bytes = 0
         self.transport.write(request)
         return response
 
     def data_received(self, data: bytes) -> None:
         response = self.response
         if response is None or response.done:
-            self.abort()  # bytes nobody asked for: the connection is not reusable
+            self._excess(len(data))  # bytes nobody asked for: the connection is not reusable
             return
         response.got_bytes = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            response._fail(UpstreamError("reset", f"malformed response from the upstream: {exc}"))
+            if response.done:  # bytes after the end of the response: discarded
+                self._excess(-1)
+                return
+            if not isinstance(exc.__context__, _Stop):
+                response._fail(UpstreamError("protocol", f"malformed response from the upstream: {exc}"))
             self.abort()
+            return
+        except httptools.HttpParserUpgrade:
+            self.abort()  # on_headers_complete refused the 101 already
+            return
+        if not response.status:  # a head still incomplete after this read (rare): bound it
+            self._head_bytes += len(data)
+            if self._head_bytes > _MAX_HEAD:
+                response._fail(UpstreamError("protocol", f"the upstream's response head exceeds {_MAX_HEAD} bytes"))
+                self.abort()
+
+    def _excess(self, size: int) -> None:
+        log.warning("upstream %s:%s sent %s bytes past the end of its response; discarded, connection closed",
+                    self.key[1], self.key[2], size if size >= 0 else "more")
+        self.abort()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) == 12 and name.lower() == b"content-type":
+        size = len(name)
+        if size == 12 and name.lower() == b"content-type":
             self.response.content_type = value  # type: ignore[union-attr]
+        elif size == 14 and name.lower() == b"content-length":
+            self._framed = True
+            try:
+                self.response.content_length = int(value)  # type: ignore[union-attr]
+            except ValueError:
+                pass  # llhttp refuses it
+        elif size == 17 and name.lower() == b"transfer-encoding":
+            self._framed = True
 
     def on_headers_complete(self) -> None:
         response = self.response
-        response.status = self.parser.get_status_code()  # type: ignore[union-attr]
+        if response.done:  # type: ignore[union-attr]
+            raise _Stop  # a second response to one request: never read it as the next request's answer
+        status = self.parser.get_status_code()  # type: ignore[union-attr]
+        if 100 <= status < 200:
+            if status == 101:  # we never ask for an upgrade
+                response._fail(UpstreamError("protocol", "the upstream switched protocols unasked (101)"))  # type: ignore[union-attr]
+                raise _Stop
+            self._interim = True  # 100 Continue, 102, 103 Early Hints: the real answer follows
+            self._framed = False
+            response.content_type = b"application/json"  # type: ignore[union-attr]
+            response.content_length = -1  # type: ignore[union-attr]
+            return
+        if not 200 <= status <= 599:
+            response._fail(UpstreamError("protocol", f"the upstream answered with status {status}"))  # type: ignore[union-attr]
+            raise _Stop
+        response.status = status  # type: ignore[union-attr]
         response._wake()  # type: ignore[union-attr]
 
     def on_body(self, body: bytes) -> None:
         self.response._feed(body)  # type: ignore[union-attr]
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         response = self.response
         response.keep_alive = self.parser.should_keep_alive()  # type: ignore[union-attr]
         response.done = True  # type: ignore[union-attr]
@@ -183,12 +266,10 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         response = self.response
         if response is not None and not response.done:
-            if response.status and self.parser is not None:
-                try:
-                    self.parser.feed_data(b"")  # a body delimited by the connection's end is complete now
-                except httptools.HttpParserError:
-                    pass
-            if not response.done:
+            if response.status and not self._framed and response._error is None:
+                response.done = True  # a body delimited by the connection's end is complete now
+                response._wake()
+            else:
                 response._fail(UpstreamError("reset", "the upstream closed the connection"))
 
     def abort(self) -> None:
@@ -200,8 +281,9 @@ class _Connection(asyncio.Protocol):
 class Pool:
     """Keep-alive connections per upstream origin, most recently used first."""
 
-    def __init__(self, keep_alive_s: float):
+    def __init__(self, keep_alive_s: float, max_body_bytes: Optional[int] = None):
         self.keep_alive_s = keep_alive_s
+        self.max_body_bytes = max_body_bytes  # the most Response.read() buffers (None: no limit)
         self._idle: dict[tuple, list[_Connection]] = {}
         self._ssl: Optional[ssl.SSLContext] = None
 
@@ -238,37 +320,32 @@ class Pool:
 
     async def request(self, key: tuple, head: bytes, body: bytes, timeouts) -> Response:
         """Send `head` (request line and headers, ending in a blank line) and `body`; return once
-        the response headers arrived. `timeouts` has `connect`, `first_byte` and `idle` seconds.
-        A pooled connection that turns out closed before any byte of the answer is retried once
-        on a fresh one (the upstream never saw that request)."""
+        the response headers arrived. `timeouts` has `connect`, `first_byte`, `idle` and `total`
+        seconds. A request is written once: if a pooled connection turns out dead after the
+        write, that is an error, never a second send (the upstream may have started it: an LLM
+        call is not idempotent)."""
         conn = self._reuse(key)
-        reused = conn is not None
         if conn is None:
             conn = await self._connect(key, timeouts.connect)
-        response = conn.start(head + body, timeouts.idle)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        response = conn.start(head + body, timeouts.idle, now + timeouts.total)
+        # The head must be complete by `by`: one dripping in byte by byte (or interim responses)
+        # does not extend it.
+        left = timeouts.first_byte
+        by = now + left
         try:
-            await self._headers(response, timeouts.first_byte)
-        except UpstreamError as exc:
-            if not (reused and exc.kind == "reset" and not response.got_bytes):
-                conn.abort()
-                raise
-            conn = await self._connect(key, timeouts.connect)
-            response = conn.start(head + body, timeouts.idle)
-            try:
-                await self._headers(response, timeouts.first_byte)
-            except BaseException:
-                conn.abort()
-                raise
+            while not response.status:
+                if response._error is not None:
+                    raise response._error
+                if left <= 0:
+                    raise UpstreamError("timeout", "the upstream did not answer in time")
+                await response._wait(left, "the upstream did not answer in time")
+                left = by - loop.time()
         except BaseException:
             conn.abort()
             raise
         return response
-
-    async def _headers(self, response: Response, timeout: float) -> None:
-        while not response.status:
-            if response._error is not None:
-                raise response._error
-            await response._wait(timeout, "the upstream did not answer in time")
 
     def close(self) -> None:
         for conns in self._idle.values():

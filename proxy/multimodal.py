@@ -15,26 +15,48 @@ from proxy.routing.catalog import Route
 from proxy.urlguard import Forbidden, Resolver, check_url
 
 MODALITY = {
-    "image_url": "image", "image_embeds": "image", "image_pil": "image", "input_image": "image",
-    "audio_url": "audio", "input_audio": "audio", "video_url": "video", "file": "file",
+    "image_url": "image", "input_image": "image", "image_embeds": "image", "image_pil": "image",
+    "audio_url": "audio", "input_audio": "audio", "audio_embeds": "audio",
+    "video_url": "video", "video_embeds": "video", "file": "file",
 }
+# Every key vLLM fetches a URL from, whatever the part's type: a string, or an object's `url`
+# (`file_url`: the Responses API's `input_file`).
+URL_KEYS = ("image_url", "audio_url", "video_url", "file_url")
+# Inline payloads (never fetched; size-limited): key, and the field inside an object value.
+DATA_KEYS = (("image_embeds", None), ("audio_embeds", None), ("video_embeds", None), ("data", None),
+             ("input_audio", "data"), ("file", "file_data"), ("file_data", None))
 
 
-def _payloads(part: MediaPart) -> list[tuple[str, str, bool]]:
-    """(param, value, is_url) for each URL or inline data string a media part carries."""
-    value, base = part.value, f"{part.param}.{part.kind}"
-    if isinstance(value, str):
-        return [(base, value, True)]
-    if not isinstance(value, dict):
-        return []
+def is_data_url(value: str) -> bool:
+    """URL schemes are case-insensitive: `DATA:` is a data URL to vLLM too."""
+    return value[:5].lower() == "data:"
+
+
+def _payloads(media: MediaPart) -> list[tuple[str, str, bool]]:
+    """(param, value, is_url) for every URL and inline data string vLLM could read from the part."""
+    part, base = media.part, media.param
+    if media.kind == "image_pil":
+        raise bad_request("`image_pil` parts cannot be sent over HTTP.", param=f"{base}.type", code="unsupported_content_part")
     found = []
-    for key in ("url", "image_url", "video_url", "audio_url"):
-        if isinstance(value.get(key), str):
-            found.append((f"{base}.{key}", value[key], True))
-    for key in ("data", "file_data", "image_embeds"):
-        if isinstance(value.get(key), str):
-            data = value[key]
-            found.append((f"{base}.{key}", data, data.startswith("data:")))
+    for key in URL_KEYS:
+        value = part.get(key)
+        param = f"{base}.{key}"
+        if isinstance(value, dict):
+            value, param = value.get("url"), f"{param}.url"
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise bad_request(f"`{param}` must be a URL string.", param=param, code="invalid_type")
+        found.append((param, value, True))
+    for key, field in DATA_KEYS:
+        value = part.get(key)
+        param = f"{base}.{key}"
+        if field is not None and isinstance(value, dict):
+            value, param = value.get(field), f"{param}.{field}"
+        values = value.items() if isinstance(value, dict) else ((None, value),)
+        for name, item in values:
+            if isinstance(item, str):
+                found.append((param if name is None else f"{param}.{name}", item, is_data_url(item)))
     return found
 
 
@@ -119,7 +141,7 @@ class MultimodalGate:
                     f"Too many {modality} items: at most {limit} per request.", param=part.param, code="too_many_media_items"
                 )
             for param, value, is_url in _payloads(part):
-                if value.startswith("data:") or not is_url:
+                if not is_url or is_data_url(value):
                     if len(value) > policy.max_data_url_bytes:
                         raise bad_request(
                             f"Inline media is larger than {policy.max_data_url_bytes} bytes.", param=param, code="media_too_large"

@@ -17,9 +17,17 @@ EMBEDDINGS = "/v1/embeddings"
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 
 
-# Content-part types that carry only text; every other type is treated as media (so an
-# unknown or misspelled type can never slip past the multimodal gate).
-TEXT_PARTS = frozenset(("text", "input_text", "output_text", "refusal", "thinking"))
+# Content-part types as vLLM's chat parser knows them (vllm/entrypoints/chat_utils.py,
+# MM_PARSER_MAP): these carry only text; the media types below are checked by the multimodal gate;
+# any other type is refused (vLLM refuses it too, and an unknown type must never slip past).
+TEXT_PARTS = frozenset(("text", "input_text", "output_text", "refusal", "thinking", "tool_reference"))
+MEDIA_PARTS = frozenset((
+    "image_url", "input_image", "image_embeds", "image_pil", "audio_url", "input_audio", "audio_embeds",
+    "video_url", "video_embeds", "prompt_embeds", "file",
+))
+# With a `uuid` (or no `type`), vLLM ignores `type` and takes the first of these keys it finds.
+KEYED_PARTS = ("image_url", "image_pil", "image_embeds", "audio_embeds", "prompt_embeds", "audio_url",
+               "input_audio", "video_url", "video_embeds", "tool_reference")
 # Request-level fields that vLLM >= 0.31 only accepts with --trust-request-mm-kwargs.
 MM_KWARGS = ("mm_processor_kwargs", "multi_modal_data", "media_io_kwargs")
 
@@ -27,8 +35,8 @@ MM_KWARGS = ("mm_processor_kwargs", "multi_modal_data", "media_io_kwargs")
 @dataclass(frozen=True, slots=True)
 class MediaPart:
     param: str  # e.g. messages[1].content[0]
-    kind: str  # the part's `type`
-    value: Any  # the part's payload (`part[kind]`), where URLs and data live
+    kind: str  # the part's type as vLLM reads it (see vllm_kind)
+    part: dict  # the whole part: vLLM reads URLs from more keys than the one its type names
 
 
 @dataclass(slots=True)
@@ -122,15 +130,43 @@ def _check_messages(messages: object) -> list[MediaPart] | None:
                 code="invalid_type",
             )
         for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if not isinstance(kind, str):
-                param = f"messages[{i}].content[{j}]"
-                raise bad_request(f"`{param}` must be an object with a string `type`.", param=param, code="invalid_type")
-            if kind not in TEXT_PARTS:
+            found = media_part(f"messages[{i}].content[{j}]", part)
+            if found is not None:
                 if media is None:
                     media = []
-                media.append(MediaPart(f"messages[{i}].content[{j}]", kind, part.get(kind)))
+                media.append(found)
     return media
+
+
+def media_part(param: str, part: object, known: frozenset[str] = MEDIA_PARTS) -> MediaPart | None:
+    """The content part at `param` as vLLM will read it: None for text, a MediaPart for media
+    (`known` types), else a 400 — a type we do not know could carry a URL we do not check."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if not isinstance(kind, str):
+        raise bad_request(f"`{param}` must be an object with a string `type`.", param=param, code="invalid_type")
+    if kind in TEXT_PARTS and part.get("uuid") is None:
+        return None
+    kind = vllm_kind(part)
+    if kind in TEXT_PARTS:
+        return None
+    if kind not in known:
+        raise bad_request(
+            f"`{param}` has an unsupported content part type {kind!r}.", param=f"{param}.type",
+            code="unsupported_content_part",
+        )
+    return MediaPart(param, kind, part)
+
+
+def vllm_kind(part: dict) -> str:
+    """The part's type as vLLM's `_parse_chat_message_content_mm_part` decides it: `type`, unless
+    the part has a `uuid`; then the first known key present (so `{"type": "text", "uuid": ..,
+    "image_url": ..}` is an image to vLLM)."""
+    if part.get("uuid") is None:
+        return part["type"]
+    for key in KEYED_PARTS:
+        if key in part and (key != "input_audio" or part[key] is not None):
+            return key
+    return "(none)"
 
 
 def _require(data: dict[str, Any], key: str, types: tuple[type, ...]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from proxy.asgi import Scope
 from proxy.errors import bad_request
 from proxy.inference import Spec
-from proxy.parse import TEXT_PARTS, MediaPart, ParsedRequest, _check_messages, _json_type, decode, require_model
+from proxy.parse import MediaPart, ParsedRequest, _check_messages, media_part, _json_type, decode, require_model
 
 # path -> groups of fields, one group of which must be present in full
 REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
@@ -42,14 +42,10 @@ def _scored_media(data: dict) -> list[MediaPart] | None:
                 continue
             base = f"{key}[{i}]" if isinstance(value, list) else key
             for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if not isinstance(kind, str):
-                    param = f"{base}.content[{j}]"
-                    raise bad_request(f"`{param}` must be an object with a string `type`.", param=param,
-                                      code="invalid_type")
-                if kind not in TEXT_PARTS:
+                found = media_part(f"{base}.content[{j}]", part)
+                if found is not None:
                     media = media or []
-                    media.append(MediaPart(f"{base}.content[{j}]", kind, part.get(kind)))
+                    media.append(found)
     return media
 
 

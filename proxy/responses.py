@@ -24,7 +24,7 @@ from proxy.asgi import DISCONNECT, Receive, Scope, Send, send_error
 from proxy.errors import ProxyError, bad_request
 from proxy.forward import Progress, StreamBroken
 from proxy.inference import Spec
-from proxy.parse import CHAT, TEXT_PARTS, MediaPart, ParsedRequest, _json_type, decode, require_model
+from proxy.parse import CHAT, MEDIA_PARTS, MediaPart, ParsedRequest, _json_type, decode, media_part, require_model
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
 from proxy.runtime import Runtime
@@ -77,31 +77,20 @@ def _conversation(data: dict[str, Any]) -> tuple[list[dict], list[MediaPart] | N
                               code="invalid_type")
         text = []
         for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            param = f"input[{i}].content[{j}]"
-            if not isinstance(kind, str):
-                raise bad_request(f"`{param}` must be an object with a string `type`.", param=param, code="invalid_type")
-            if kind in TEXT_PARTS:
+            found = media_part(f"input[{i}].content[{j}]", part, RESPONSE_MEDIA)
+            if found is None:
                 text.append({"type": "text", "text": part.get("text") if isinstance(part.get("text"), str) else ""})
                 continue
             if media is None:
                 media = []
-            media.append(MediaPart(param, kind, _media_value(part, kind)))
+            media.append(found)
             text.append(part)
         messages.append({"role": role, "content": text})
     return messages, media
 
 
-def _media_value(part: dict, kind: str) -> Any:
-    """Where the multimodal gate finds the part's URLs and data: `input_image` carries `image_url`
-    (a string) beside its type, `input_file` `file_url`/`file_data`, `input_audio` a nested object."""
-    nested = part.get(kind)
-    if isinstance(nested, (dict, str)):
-        return nested
-    value = dict(part)
-    if isinstance(part.get("file_url"), str):
-        value["url"] = part["file_url"]
-    return value
+# Responses API media parts: the chat ones plus `input_file` (`file_url`/`file_data`, both guarded)
+RESPONSE_MEDIA = MEDIA_PARTS | {"input_file"}
 
 
 class Create(Spec):

@@ -10,12 +10,24 @@ headers are trusted (the proxy builds them), and the client's disconnect
 cancels the request task directly (`scope[DISCONNECT].arm()`, see proxy/inference.py).
 
 Everything else (other paths, pipelined requests, `Expect: 100-continue`, upgrades, keep-alive,
-flow control, graceful shutdown) stays uvicorn's. Use it with `uvicorn.Config(http=ProxyProtocol)`.
+flow control, graceful shutdown) stays uvicorn's. Use it with `uvicorn.Config(http=ProxyProtocol)`
+(or `http=ProxyProtocol.configured(server_config)`).
+
+uvicorn's httptools protocol has no read timeouts and no header limits: a socket that never sends,
+or drips a byte every few seconds, stays open for good, and a 256 MiB header is buffered (and
+concatenated piece by piece) before the app ever sees it. As nginx and Envoy do, a request's
+head must be complete within `header_timeout_s` of its first byte (of the connection, for the
+first request: an idle connection is closed then), a body may not stall for `body_timeout_s`,
+and a head larger than `max_header_bytes` or with more than `max_headers` fields is a 431; the
+client gets an OpenAI error envelope and the connection is closed. One watchdog timer per
+connection checks these a few times per timeout; a request pays a few attribute writes.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import resource
 from typing import Any
 
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
@@ -31,12 +43,170 @@ LEAN_PATHS = frozenset(
                          "/chat/completions", "/completions", "/embeddings")
 )
 _DISCONNECT_MESSAGE = {"type": "http.disconnect"}
+_feed = HttpToolsProtocol.data_received  # called directly: super() costs per read
+
+
+_HEAD, _BODY, _REST, _LINGER = range(4)  # reading a head, a body; neither (app or keep-alive); refused
+_LINGER_S = 2.0  # after a refusal, read and discard this long so the client sees the answer, not a reset
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop parsing a request that gets a 431 instead."""
 
 
 class ProxyProtocol(HttpToolsProtocol):
     lean: "LeanCycle | None" = None  # the lean cycle in progress (self.cycle may be a queued one)
+    # defaults as in ServerConfig; `configured()` makes a subclass with a config's values
+    header_timeout_s = 30.0
+    body_timeout_s = 30.0
+    max_header_bytes = 64 * 1024
+    max_headers = 100
+    # Beyond this many open connections (default: 3/4 of the fd limit), connections that hold a
+    # slot without a request in progress (idle, or a head or body stalled for a second) are
+    # closed, at most every half second, so that new clients still get a file descriptor.
+    shed_above: int | None = None
+    _last_shed = 0.0
+
+    _LIMITS = ("header_timeout_s", "body_timeout_s", "max_header_bytes", "max_headers")
+
+    @classmethod
+    def configured(cls, server: Any) -> "functools.partial[ProxyProtocol]":
+        """The protocol factory with the read timeouts and header limits of `server` (a
+        ServerConfig); a partial, not a subclass, so uvicorn options still pickle to workers."""
+        return functools.partial(cls, limits=tuple(getattr(server, name) for name in cls._LIMITS))
+
+    def __init__(self, *args: Any, limits: tuple | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if limits is not None:
+            for name, value in zip(self._LIMITS, limits):
+                setattr(self, name, value)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._phase = _HEAD  # an idle new connection waits for a head: the header timeout applies
+        self._since = self.loop.time()  # when the head began, or the body last made progress (0: not yet)
+        self._head_bytes = 0  # received since the current head began (>= its size, bounded by one read)
+        self._refusal: tuple[int, str, str] | None = None
+        self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
+        if len(self.connections) > self._shed_threshold():
+            self._shed()
+
+    @classmethod
+    def _shed_threshold(cls) -> int:
+        if cls.shed_above is None:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            cls.shed_above = soft * 3 // 4 if soft != resource.RLIM_INFINITY else 1 << 30
+        return cls.shed_above
+
+    def _shed(self) -> None:
+        now = self.loop.time()
+        if now - ProxyProtocol._last_shed < 0.5:
+            return
+        ProxyProtocol._last_shed = now
+        shed = 0
+        for conn in list(self.connections):
+            if conn is not self and isinstance(conn, ProxyProtocol) and conn._idle_for(now) > 1.0:
+                conn.transport.close()
+                shed += 1
+        log.warning("%d open connections exceed %d: closed %d idle or stalled ones",
+                    len(self.connections), self.shed_above, shed)
+
+    def _idle_for(self, now: float) -> float:
+        """How long this connection has held its slot without a request making progress."""
+        phase = self._phase
+        if phase == _HEAD or phase == _BODY:
+            return now - self._since if self._since else 0.0
+        keep_alive = self.timeout_keep_alive_task  # armed by uvicorn while a connection idles
+        if phase == _REST and keep_alive is not None:
+            return now - (keep_alive.when() - self.timeout_keep_alive)
+        return 0.0
+
+    def _tick_s(self) -> float:
+        return min(self.header_timeout_s, self.body_timeout_s) / 4
+
+    def _watchdog(self) -> None:
+        if self.transport.is_closing():
+            return
+        phase = self._phase
+        waited = self.loop.time() - self._since
+        if phase == _HEAD and waited > self.header_timeout_s:
+            if self._head_bytes:
+                self._refuse(408, "The request head was not received in time.", "request_timeout")
+            else:
+                self.transport.close()  # an idle connection: nothing to answer
+            return
+        if phase == _BODY and waited > self.body_timeout_s:
+            self._refuse(408, "The request body stalled.", "request_timeout")
+            return
+        self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer `status` with an error envelope and close (the request is not read further). A
+        request whose app already runs is only cut off: it may have answered already."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            self.transport.close()
+            return
+        body = ProxyError(status, message, code=code).body()
+        head = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            head += (name, b": ", value, b"\r\n")
+        head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        self.transport.write(b"".join(head) + body)
+        # Lingering close (as nginx): closing with unread request bytes would send a reset that can
+        # destroy the answer in flight; half-close, discard what still comes, close soon after.
+        self._phase = _LINGER
+        try:
+            self.transport.write_eof()
+        except (NotImplementedError, AttributeError, RuntimeError, OSError):
+            self.transport.close()
+            return
+        self.loop.call_later(_LINGER_S, self.transport.close)
+
+    def send_400_response(self, msg: str) -> None:
+        refusal = self._refusal
+        if refusal is not None:
+            self._refuse(*refusal)
+        else:
+            self._refuse(400, msg, "invalid_http_request")
+
+    def data_received(self, data: bytes) -> None:
+        # The common request arrives whole in one read: no clock is read for it. The clock starts
+        # only for a head or body that a read leaves incomplete.
+        phase = self._phase
+        if phase == _REST:  # the next head begins (with its first byte, even a CRLF llhttp skips)
+            self._phase = phase = _HEAD
+            self._head_bytes = 0
+            self._since = 0.0
+        elif phase == _BODY:
+            self._since = self.loop.time()
+        elif phase == _LINGER:
+            return
+        if phase == _HEAD:
+            self._head_bytes += len(data)
+        _feed(self, data)
+        phase = self._phase
+        if phase != _REST:
+            if not self._since:
+                self._since = self.loop.time()
+            if phase == _HEAD and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
+                self._refuse(431, f"Request header fields exceed {self.max_header_bytes} bytes.", "headers_too_large")
+
+    def _refuse_head(self) -> None:
+        """Header count and size limits, checked in on_headers_complete (raises _Refused)."""
+        if len(self.headers) > self.max_headers:
+            self._refusal = (431, f"More than {self.max_headers} request header fields.", "headers_too_large")
+            raise _Refused
+        # the read held more than the head (its body, say): measure the head itself
+        size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        if size > self.max_header_bytes:
+            self._refusal = (431, f"Request header fields exceed {self.max_header_bytes} bytes.", "headers_too_large")
+            raise _Refused
 
     def connection_lost(self, exc: Exception | None) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.cancel()
         # With a pipelined request queued behind it, `self.cycle` is that one, not the running
         # lean cycle: tell the running one too, so its upstream request is closed.
         lean = self.lean
@@ -46,6 +216,10 @@ class ProxyProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def on_headers_complete(self) -> None:
+        if len(self.headers) > self.max_headers or self._head_bytes > self.max_header_bytes:
+            self._refuse_head()
+        self._phase = _BODY
+        self._since = 0.0
         cycle = self.cycle
         if (
             self.url in LEAN_PATHS
@@ -85,6 +259,7 @@ class ProxyProtocol(HttpToolsProtocol):
             cycle.wake()
 
     def on_message_complete(self) -> None:
+        self._phase = _REST
         cycle = self.cycle
         if type(cycle) is not LeanCycle:
             super().on_message_complete()

@@ -3,8 +3,10 @@ reaches internal addresses (CVE-2025-6242), so the proxy refuses URLs that point
 
 Hosts are judged in every spelling an HTTP client would accept: decimal, octal, hex and short
 IPv4 (`2130706433`, `0177.1`, `0x7f.1`, `127.1`), IPv6 with embedded IPv4 (mapped, compatible,
-NAT64, 6to4), internal names (`localhost`, `*.localhost`, `*.internal`, `*.local`), after
-Unicode normalisation (full-width digits) and with a trailing dot removed.
+NAT64, 6to4), internal names (`localhost`, single-label names, `*.internal`, `*.local`, Kubernetes'
+`*.svc` and `*.cluster.local`), after Unicode normalisation (full-width digits) and with a trailing
+dot removed. Without `resolve_dns`, a two-label `service.namespace` name that a pod's DNS search
+path completes cannot be told from a public name: in a cluster, turn `resolve_dns` on.
 """
 from __future__ import annotations
 
@@ -15,7 +17,11 @@ import time
 import unicodedata
 from urllib.parse import urlsplit
 
-INTERNAL_SUFFIXES = (".localhost", ".internal", ".local", ".localdomain", ".home.arpa")
+# Names that only resolve inside a site or cluster: RFC 6761/6762/8375, Kubernetes services
+# (`svc`, `cluster.local`: `kubernetes.default.svc`), cloud metadata (`.internal`) and the private
+# top-level names RFC 6762 appendix G lists.
+INTERNAL_SUFFIXES = (".localhost", ".internal", ".local", ".localdomain", ".home.arpa", ".svc", ".cluster.local",
+                     ".intranet", ".private", ".corp", ".home", ".lan")
 INTERNAL_NAMES = frozenset(("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"))
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _UNSAFE_CHARS = frozenset("\\ \t\r\n")

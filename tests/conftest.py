@@ -11,7 +11,9 @@ from proxy.server import ProxyProtocol
 from proxy.sim.app import create_app
 from proxy.sim.config import SimConfig
 from loadtest.private_redis import PrivateRedis
-from tests.support import ServerThread
+from tests.support import ServerThread, reuse_default_ssl_context
+
+reuse_default_ssl_context()
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -43,6 +45,8 @@ class Servers:
         return self.proxy({"backends": backends, **config})
 
     def stop(self) -> None:
+        for server in reversed(self.running):  # all shut down at once: one teardown, not one per server
+            server.server.should_exit = True
         for server in reversed(self.running):
             server.stop()
 
@@ -78,6 +82,23 @@ def fleet(servers: Servers) -> tuple[ServerThread, list[ServerThread]]:
     """Proxy in front of two fast simulated replicas serving MODEL with discovery."""
     sims = [servers.sim(), servers.sim()]
     return servers.proxy_for(*sims), sims
+
+
+@pytest.fixture(scope="module")
+def module_servers() -> Iterator[Servers]:
+    """Like `servers`, but shared by the tests of one module and stopped after the last of them:
+    for tests that cannot disturb each other (they only read answers, or only send requests that
+    never reach a replica), so they need not each pay for starting and stopping a fleet."""
+    s = Servers()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_fleet(module_servers: Servers) -> tuple[ServerThread, list[ServerThread]]:
+    """The `fleet` setup, shared by the tests of one module (see `module_servers`)."""
+    sims = [module_servers.sim(), module_servers.sim()]
+    return module_servers.proxy_for(*sims), sims
 
 
 def sim_of(server: ServerThread) -> Any:

@@ -2,6 +2,11 @@
 
 Faults are real time (not scaled by time_scale): a hung or slow replica must look hung or slow
 even when the simulated model runs at infinite speed.
+
+`hold` is the tests' gate: while set, every inference request the engine schedules stays in the
+running batch before its prefill until the fault is lifted. A state that would otherwise last a
+few milliseconds of wall time (a request in prefill, an adapter occupying the batch, a queue
+behind it) lasts exactly as long as the test needs, on a loaded machine too.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ class Faults:
     error_status: int = 500
     slow_ms: float = 0.0  # extra delay before the first byte of inference responses
     fail_lora_loads: bool = False
+    hold: bool = False  # scheduled inference requests wait before their prefill while set
+    _unheld: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _random: random.Random = field(default_factory=lambda: random.Random(0), repr=False)
 
@@ -43,6 +50,10 @@ class Faults:
             self._released.clear()
         else:
             self._released.set()
+        if self.hold:
+            self._unheld.clear()
+        else:
+            self._unheld.set()
 
     def reset(self) -> None:
         self.update({f.name: f.default for f in fields(self) if not f.name.startswith("_")})
@@ -54,6 +65,11 @@ class Faults:
         """Block while `hang` is set (forever, unless the client goes away or the fault is lifted)."""
         if self.hang:
             await self._released.wait()
+
+    async def wait_unheld(self) -> None:
+        """Block while `hold` is set (a scheduled request waits here until released or aborted)."""
+        if self.hold:
+            await self._unheld.wait()
 
     def should_fail(self) -> bool:
         return self.error_rate > 0 and self._random.random() < self.error_rate

@@ -34,7 +34,9 @@ class Servers:
     def proxy(self, config: dict[str, Any], http: Any = ProxyProtocol) -> ServerThread:
         """The proxy under uvicorn with our lean inference cycle (as `vllm-proxy serve` runs it);
         `http="httptools"` runs it as a plain ASGI app under stock uvicorn instead."""
-        config.setdefault("discovery", {"interval_s": 0.2, "timeout_s": 1.0, "failures_to_down": 1})
+        # a poll that times out marks the replica down: generous, since a busy machine (or a replica
+        # busy parsing a 1 MB prompt) may take a second to answer; dead replicas refuse at once
+        config.setdefault("discovery", {"interval_s": 0.2, "timeout_s": 5.0, "failures_to_down": 1})
         server = ServerThread(ProxyApp(parse_config(config)), loop="uvloop", http=http).start()
         self.running.append(server)
         return server

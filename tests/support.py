@@ -108,12 +108,13 @@ def sim_faults(url: str, **changes: Any) -> dict:
 
 
 @contextlib.contextmanager
-def held(url: str) -> Iterator[None]:
-    """While the block runs, every inference request the simulated replica at `url` schedules
-    waits before its prefill (the `hold` gate): a test observes an in-flight state for as long as
-    it needs, instead of racing the wall clock. Leaving the block releases them."""
-    sim_faults(url, hold=True)
+def held(url: str, *models: str) -> Iterator[None]:
+    """While the block runs, every inference request the simulated replica at `url` schedules (for
+    one of `models`, if given: model ids or adapter names) waits before its prefill (the `hold`
+    gate): a test observes an in-flight state for as long as it needs, instead of racing the wall
+    clock. `sim_faults(url, hold_only=[...])` changes the set inside; leaving releases them all."""
+    sim_faults(url, hold=True, hold_only=list(models))
     try:
         yield
     finally:
-        sim_faults(url, hold=False)
+        sim_faults(url, hold=False, hold_only=[])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import socket
 import struct
@@ -18,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.sim import SimApp, SimConfig, create_app
 from proxy.sim.cli import add_arguments, config_from_args
-from tests.support import ServerThread, held
+from proxy.sim.faults import Faults
+from tests.support import ServerThread, held, sim_faults
 
 BASE = "meta-llama/Llama-3.1-8B-Instruct"
 USER = [{"role": "user", "content": "Say something."}]
@@ -409,3 +411,21 @@ def test_faults():
         assert stats["faults"]["hang"] is True and stats["running"] == 0
         assert httpx.post(url + "/sim/reset").json()["faults"]["hang"] is False
         assert httpx.get(url + "/health", timeout=1).status_code == 200
+
+
+def test_hold_gate():
+    """The tests' gate: scheduled requests wait before prefill until released, per model if asked."""
+    with serve(lora_modules={"a": "/a"}) as (url, app), concurrent.futures.ThreadPoolExecutor(4) as pool:
+        engine = app.engine
+        assert httpx.post(url + "/sim/faults", json={"hold_only": "a"}).status_code == 400  # a list of names
+        sim_faults(url, hold=True, hold_only=["a"])
+        held_a = pool.submit(httpx.post, url + "/v1/completions", json={"model": "a", "prompt": "x"}, timeout=30)
+        wait_for(lambda: engine.held == 1)
+        assert httpx.post(url + "/v1/completions", json={"model": BASE, "prompt": "x"}).status_code == 200  # not held
+        assert not held_a.done() and httpx.get(url + "/sim/stats").json()["held"] == 1
+        sim_faults(url, hold_only=[BASE])  # "a" leaves the held set: it goes on, hold stays on
+        assert held_a.result().status_code == 200
+        held_base = pool.submit(httpx.post, url + "/v1/completions", json={"model": BASE, "prompt": "x"}, timeout=30)
+        wait_for(lambda: engine.held == 1)
+        assert httpx.post(url + "/sim/reset").json()["faults"] == {**Faults().as_dict()}  # reset releases too
+        assert held_base.result().status_code == 200 and engine.held == 0

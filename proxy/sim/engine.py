@@ -105,7 +105,7 @@ class Engine:
             if req.admitted is not None:
                 await req.admitted
             if self.faults.hold:
-                await self._hold()
+                await self._hold(req.adapter or config.model_id)
             delay = config.delay(self._prefill(req))
             if delay:
                 await asyncio.sleep(delay)
@@ -129,10 +129,10 @@ class Engine:
             self._finish(req, ok)
             metrics.e2e.observe(time.perf_counter() - arrival)
 
-    async def _hold(self) -> None:
+    async def _hold(self, name: str) -> None:
         self.held += 1
         try:
-            await self.faults.wait_unheld()
+            await self.faults.wait_unheld(name)
         finally:
             self.held -= 1
 

@@ -110,7 +110,9 @@ def sim_of(server: ServerThread) -> Any:
 Predicate = Callable[[], bool]
 
 
-def eventually(predicate: Predicate, timeout: float = 2.0, interval: float = 0.02) -> bool:
+def eventually(predicate: Predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Whether `predicate` holds within `timeout` (generous: it returns as soon as it holds, and a
+    busy machine must not fail a test that waits on a condition)."""
     import time
 
     deadline = time.monotonic() + timeout

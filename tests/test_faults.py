@@ -140,7 +140,7 @@ def test_storm_of_client_disconnects(servers: Servers) -> None:
     assert eventually(lambda: all(sim_of(s).stats()["running"] + sim_of(s).stats()["waiting"] == 0 for s in sims), timeout=30)
     assert sum(sim_of(s).stats()["aborted"] for s in sims) == 100  # cut off, none ran to its end
     app = proxy.server.config.app
-    assert eventually(lambda: all(b.in_flight == 0 for b in app.runtime.backends), timeout=3)
+    assert eventually(lambda: all(b.in_flight == 0 for b in app.runtime.backends), timeout=10)
     assert 'vllm_proxy_in_flight_requests{backend="gpu-0"} 0.0' in httpx.get(proxy.url + "/metrics").text
     idle = sum(len(v) for v in app.runtime.upstream.pool._idle.values())
     assert idle <= 10  # aborted exchanges dropped their connections instead of pooling them

@@ -163,7 +163,7 @@ def test_pipelined_client_leaving_cancels_the_running_stream(servers: Servers, c
                              "max_tokens": 400, "stream": True})
         sock = connect(proxy)
         sock.sendall(request(long) + request(chat_body()))
-        assert eventually(lambda: sim_of(sim).stats()["running"] == 1, timeout=3)
+        assert eventually(lambda: sim_of(sim).stats()["running"] == 1, timeout=10)
         aborted = sim_of(sim).stats()["aborted"]
         sock.close()
         assert eventually(lambda: sim_of(sim).stats()["running"] == 0, timeout=10), "replica still generating"

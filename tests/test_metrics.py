@@ -23,7 +23,7 @@ from proxy.accesslog import LOGGER, usage_tokens
 from proxy.scrape import Reading, _Previous, hit_ratio, parse_vllm_metrics
 from proxy.sim.tokenizer import render_chat
 from tests.conftest import MODEL, Servers, eventually, sim_of
-from tests.support import ServerThread, held
+from tests.support import ServerThread, held, sim_faults
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = "/v1/chat/completions"
@@ -137,9 +137,21 @@ def test_upstream_errors_and_status_codes_are_counted(servers: Servers) -> None:
 
 def test_usage_only_chunk_and_include_usage(servers: Servers) -> None:
     """With include_usage the last event has `"choices":[]`: not a token, so not an ITL sample."""
-    proxy = servers.proxy_for(paced_sim(servers))
-    events = stream_events(proxy.url, chat(stream=True, max_tokens=5, stream_options={"include_usage": True}))
-    assert '"usage"' in events[-2]
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim)
+    # lock step: the replica takes its next decoding step only once the client has the last token,
+    # so every step reaches the proxy in a read of its own, however busy the machine
+    sim_faults(sim.url, steps=1)
+    events = []
+    body = chat(stream=True, max_tokens=5, stream_options={"include_usage": True})
+    with httpx.stream("POST", proxy.url + CHAT, json=body, timeout=30) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                data = orjson.loads(line[6:]) if line != "data: [DONE]" else {}
+                if data.get("choices") and "role" not in data["choices"][0]["delta"]:
+                    sim_faults(sim.url, steps=1)  # a token arrived: the next step may go
+    assert '"usage"' in events[-2] and len(events) == 1 + 5 + 2  # role, tokens, usage, [DONE]
     fams = families(proxy)
     itl = "vllm_proxy_inter_token_latency_seconds"
     assert value(fams, itl, itl + "_count") == 4

@@ -429,3 +429,22 @@ def test_hold_gate():
         wait_for(lambda: engine.held == 1)
         assert httpx.post(url + "/sim/reset").json()["faults"] == {**Faults().as_dict()}  # reset releases too
         assert held_base.result().status_code == 200 and engine.held == 0
+
+
+def test_step_pacing():
+    """`steps` lets a test pace decoding: at 0 a request waits before its next step."""
+    with serve() as (url, app):
+        assert httpx.post(url + "/sim/faults", json={"steps": -2}).status_code == 400
+        sim_faults(url, steps=0)
+        body = {"model": BASE, "prompt": "x", "max_tokens": 3, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            wait_for(lambda: len(app.engine.running) == 1)
+            assert next(iter(app.engine.running)).steps_done == 0  # waits before its first step
+            sim_faults(url, steps=1)
+            assert orjson.loads(next(lines)[6:])["choices"][0]["text"]  # one step
+            wait_for(lambda: app.faults.steps == 0)
+            assert next(iter(app.engine.running)).steps_done == 1
+            sim_faults(url, steps=-1)  # unlimited again: the rest at once
+            rest = list(lines)
+        assert len(rest) == 3 and rest[-1] == "data: [DONE]" and app.engine.stats.completed == 1

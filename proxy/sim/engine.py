@@ -121,6 +121,8 @@ class Engine:
                     now = time.perf_counter()
                     metrics.itl.observe(now - last)
                     last = now
+                if self.faults.steps >= 0:
+                    await self.faults.take_step()
                 req.steps_done = step + 1
                 if emit is not None:
                     await emit(step)

@@ -8,6 +8,8 @@ even when the simulated model runs at infinite speed.
 its prefill; it goes on when `hold` is lifted or its model leaves `hold_only`. A state that would
 otherwise last a few milliseconds of wall time (a request in prefill, an adapter occupying the
 batch, a queue behind it) lasts exactly as long as the test needs, on a loaded machine too.
+`steps` paces decoding the same way: at 0, requests wait before their next decoding step until a
+test grants more, so each step reaches the proxy on its own however busy the machine is.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class Faults:
     fail_lora_loads: bool = False
     hold: bool = False  # scheduled inference requests wait before their prefill while set
     hold_only: list = field(default_factory=list)  # model ids / adapter names `hold` applies to (empty: all)
+    steps: int = -1  # decoding steps still allowed (any request; -1: unlimited)
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _random: random.Random = field(default_factory=lambda: random.Random(0), repr=False)
@@ -47,8 +50,8 @@ class Faults:
                 raise bad_request(f"Bad value for fault '{key}': {value!r}.", param=key)
             current[key] = kind(value)
         if not (0.0 <= current["error_rate"] <= 1.0) or not (400 <= current["error_status"] <= 599) \
-                or current["slow_ms"] < 0:
-            raise bad_request("error_rate must be in [0, 1], error_status in 400..599, slow_ms >= 0.")
+                or current["slow_ms"] < 0 or current["steps"] < -1:
+            raise bad_request("error_rate must be in [0, 1], error_status in 400..599, slow_ms >= 0, steps >= -1.")
         for key, value in current.items():
             setattr(self, key, value)
         if self.hang:
@@ -64,6 +67,13 @@ class Faults:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    async def take_step(self) -> None:
+        """Use up one of `steps`, first waiting while none are left (until granted, or aborted)."""
+        while self.steps == 0:
+            await self._changed.wait()
+        if self.steps > 0:
+            self.steps -= 1
 
     async def wait_unhung(self) -> None:
         """Block while `hang` is set (forever, unless the client goes away or the fault is lifted)."""

@@ -40,6 +40,11 @@ class Admission:
             except ValueError:
                 pass
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot right now."""
+        return sum(not w.done() for w in self._waiters)
+
     def released(self) -> None:
         """A slot freed: wake the oldest waiter (it re-checks the replicas itself)."""
         while self._waiters:

@@ -11,7 +11,9 @@ from proxy.server import ProxyProtocol
 from proxy.sim.app import create_app
 from proxy.sim.config import SimConfig
 from loadtest.private_redis import PrivateRedis
-from tests.support import ServerThread
+from tests.support import ServerThread, reuse_default_ssl_context
+
+reuse_default_ssl_context()
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -32,7 +34,9 @@ class Servers:
     def proxy(self, config: dict[str, Any], http: Any = ProxyProtocol) -> ServerThread:
         """The proxy under uvicorn with our lean inference cycle (as `vllm-proxy serve` runs it);
         `http="httptools"` runs it as a plain ASGI app under stock uvicorn instead."""
-        config.setdefault("discovery", {"interval_s": 0.2, "timeout_s": 1.0, "failures_to_down": 1})
+        # a poll that times out marks the replica down: generous, since a busy machine (or a replica
+        # busy parsing a 1 MB prompt) may take a second to answer; dead replicas refuse at once
+        config.setdefault("discovery", {"interval_s": 0.2, "timeout_s": 5.0, "failures_to_down": 1})
         server = ServerThread(ProxyApp(parse_config(config)), loop="uvloop", http=http).start()
         self.running.append(server)
         return server
@@ -43,6 +47,8 @@ class Servers:
         return self.proxy({"backends": backends, **config})
 
     def stop(self) -> None:
+        for server in reversed(self.running):  # all shut down at once: one teardown, not one per server
+            server.server.should_exit = True
         for server in reversed(self.running):
             server.stop()
 
@@ -80,6 +86,23 @@ def fleet(servers: Servers) -> tuple[ServerThread, list[ServerThread]]:
     return servers.proxy_for(*sims), sims
 
 
+@pytest.fixture(scope="module")
+def module_servers() -> Iterator[Servers]:
+    """Like `servers`, but shared by the tests of one module and stopped after the last of them:
+    for tests that cannot disturb each other (they only read answers, or only send requests that
+    never reach a replica), so they need not each pay for starting and stopping a fleet."""
+    s = Servers()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_fleet(module_servers: Servers) -> tuple[ServerThread, list[ServerThread]]:
+    """The `fleet` setup, shared by the tests of one module (see `module_servers`)."""
+    sims = [module_servers.sim(), module_servers.sim()]
+    return module_servers.proxy_for(*sims), sims
+
+
 def sim_of(server: ServerThread) -> Any:
     return server.server.config.app
 
@@ -87,7 +110,9 @@ def sim_of(server: ServerThread) -> Any:
 Predicate = Callable[[], bool]
 
 
-def eventually(predicate: Predicate, timeout: float = 2.0, interval: float = 0.02) -> bool:
+def eventually(predicate: Predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Whether `predicate` holds within `timeout` (generous: it returns as soon as it holds, and a
+    busy machine must not fail a test that waits on a condition)."""
     import time
 
     deadline = time.monotonic() + timeout

@@ -1,12 +1,37 @@
 """Real servers for tests: any ASGI app under uvicorn on an ephemeral loopback port, in a thread."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
+import httpx
 import uvicorn
+
+
+def reuse_default_ssl_context() -> None:
+    """httpx builds a new SSL context for every client (reading certifi's bundle: ~20 ms of CPU),
+    and `httpx.post` or `openai.OpenAI()` make one client each, thousands of times in this suite,
+    which only speaks plain HTTP on loopback: build the default context once. (httpx >= 0.28;
+    older versions keep their own behaviour.)"""
+    from httpx._transports import default
+
+    create = getattr(default, "create_ssl_context", None)
+    if create is None or getattr(create, "reused", False):
+        return
+    built: dict[bool, Any] = {}
+
+    def create_once(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        if trust_env not in built:
+            built[trust_env] = create(verify=verify, cert=cert, trust_env=trust_env)
+        return built[trust_env]
+
+    create_once.reused = True  # type: ignore[attr-defined]
+    default.create_ssl_context = create_once
 
 
 class ServerThread:
@@ -73,3 +98,23 @@ class CaptureBackend:
             )
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": payload})
+
+
+def sim_faults(url: str, **changes: Any) -> dict:
+    """Set fault-injection fields of the simulated replica at `url` (POST /sim/faults)."""
+    resp = httpx.post(url + "/sim/faults", json=changes, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+@contextlib.contextmanager
+def held(url: str, *models: str) -> Iterator[None]:
+    """While the block runs, every inference request the simulated replica at `url` schedules (for
+    one of `models`, if given: model ids or adapter names) waits before its prefill (the `hold`
+    gate): a test observes an in-flight state for as long as it needs, instead of racing the wall
+    clock. `sim_faults(url, hold_only=[...])` changes the set inside; leaving releases them all."""
+    sim_faults(url, hold=True, hold_only=list(models))
+    try:
+        yield
+    finally:
+        sim_faults(url, hold=False, hold_only=[])

@@ -182,13 +182,17 @@ def test_proxies_share_continuations_through_redis(servers: Servers, redis_db, r
     config = {"redis": {"url": redis_url}, "routing": {"prefix_affinity": {"block_chars": 64, "load_slack": 100}}}
     a = servers.proxy_for(*sims, **config)
     b = servers.proxy_for(*sims, **config)
-    assert eventually(lambda: redis_db.hlen("vp:load") >= 6)
+    assert eventually(lambda: redis_db.hlen("vp:load") >= 6, timeout=10)
     messages = [{"role": "system", "content": tenant(11)}, {"role": "user", "content": "first question " * 8}]
     seen = set()
     for i in range(6):  # a few distinct conversations of one tenant through A
         body = {"model": MODEL, "messages": [messages[0], {"role": "user", "content": f"q{i} " * 30}], "max_tokens": 2}
         seen.add(httpx.post(a.url + "/v1/chat/completions", json=body).headers["x-vllm-proxy-backend"])
-    time.sleep(0.3)  # the flusher writes the index
+    written = time.time()
+    # the flusher writes the index: wait for a sync of every proxy that began after those requests
+    # (each stamps its load entries with the time its sync began)
+    assert eventually(lambda: all(float(v.split(b"|")[1]) > written for v in redis_db.hgetall("vp:load").values()),
+                      timeout=10)
     for i in range(6):
         body = {"model": MODEL, "messages": [messages[0], {"role": "user", "content": f"q{i} " * 30},
                                               {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}],

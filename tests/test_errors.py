@@ -26,8 +26,9 @@ def assert_envelope(resp: httpx.Response, status: int, code: str | None = None, 
 
 
 @pytest.fixture
-def proxy(fleet):
-    return fleet[0]
+def proxy(shared_fleet):
+    """None of the requests of the tests using this reach a replica: one fleet for all of them."""
+    return shared_fleet[0]
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import httpx
 
 from loadtest.private_redis import PrivateRedis
 from tests.conftest import MODEL, Servers, eventually, sim_of
+from tests.support import held
 
 CHAT = "/v1/chat/completions"
 
@@ -47,7 +48,8 @@ def test_one_hung_replica_of_four(servers: Servers) -> None:
     fault(sims[1], hang=True)  # accepts connections, never answers (SIGSTOP-like)
     results = run(proxy.url, 200)
     assert [r for r in results if r[0] != 200] == []
-    assert max(t for _, t in results) < 0.5 + 1.5  # first-byte timeout plus normal latency
+    # rescued by the 0.5 s first-byte timeout, not the 600 s default (slack for a busy machine)
+    assert max(t for _, t in results) < 0.5 + 5
     assert sum(sim_of(s).stats()["completed"] for s in sims) >= 200
     fault(sims[1], hang=False)
 
@@ -119,7 +121,7 @@ def test_redis_stopped_mid_run(servers: Servers) -> None:
 
 
 def test_storm_of_client_disconnects(servers: Servers) -> None:
-    sims = [servers.sim(time_scale=1.0, itl_ms=20.0, prefill_ms_per_token=0.5) for _ in range(2)]
+    sims = [servers.sim(time_scale=1.0, itl_ms=50.0, prefill_ms_per_token=0.5) for _ in range(2)]
     proxy = servers.proxy_for(*sims)
     body = b'{"model":"%s","messages":[{"role":"user","content":"%s"}],"max_tokens":200,"stream":true}' % (
         MODEL.encode(), b"long prompt " * 200)
@@ -131,12 +133,14 @@ def test_storm_of_client_disconnects(servers: Servers) -> None:
         socks.append(sock)
         if i % 2:
             time.sleep(0.002)
-    time.sleep(0.3)  # some are in prefill, some mid-stream
+    # all reached a replica (some in prefill, some mid-stream): 10 s each unless cut off
+    assert eventually(lambda: sum(sim_of(s).stats()["running"] for s in sims) == 100, timeout=30)
     for sock in socks:
         sock.close()
-    assert eventually(lambda: all(sim_of(s).stats()["running"] + sim_of(s).stats()["waiting"] == 0 for s in sims), timeout=3)
+    assert eventually(lambda: all(sim_of(s).stats()["running"] + sim_of(s).stats()["waiting"] == 0 for s in sims), timeout=30)
+    assert sum(sim_of(s).stats()["aborted"] for s in sims) == 100  # cut off, none ran to its end
     app = proxy.server.config.app
-    assert eventually(lambda: all(b.in_flight == 0 for b in app.runtime.backends), timeout=3)
+    assert eventually(lambda: all(b.in_flight == 0 for b in app.runtime.backends), timeout=10)
     assert 'vllm_proxy_in_flight_requests{backend="gpu-0"} 0.0' in httpx.get(proxy.url + "/metrics").text
     idle = sum(len(v) for v in app.runtime.upstream.pool._idle.values())
     assert idle <= 10  # aborted exchanges dropped their connections instead of pooling them
@@ -158,7 +162,7 @@ def test_timeouts_per_deployment(servers: Servers) -> None:
         resp = httpx.post(proxy.url + CHAT, json={"model": name, "messages": [{"role": "user", "content": "x"}]}, timeout=10)
         timings[name] = time.monotonic() - started
         assert resp.status_code == 504 and resp.json()["error"]["code"] == "upstream_timeout"
-    assert 0.3 <= timings["hasty"] < 1.0 <= 2.0 <= timings["patient"] < 3.0
+    assert 0.3 <= timings["hasty"] < 2.0 <= timings["patient"]  # each waited for its own timeout
     fault(sim, hang=False)
 
 
@@ -166,38 +170,40 @@ def test_admission_queue_429_and_clients_leaving_the_queue(servers: Servers) -> 
     """One slot per replica: further requests wait in FIFO order, a full queue answers 429 with
     Retry-After, and a client that gives up while queued leaves the queue at once (it neither
     reaches the replica nor holds up the requests behind it)."""
-    sim = servers.sim(time_scale=1.0, itl_ms=60.0, prefill_ms_per_token=0.0)  # ~0.6 s per request
+    sim = servers.sim()
     proxy = servers.proxy({"backends": [{"name": "gpu-0", "url": sim.url, "max_in_flight": 1}],
-                           "server": {"max_queue": 2, "queue_timeout_s": 10}})
+                           "server": {"max_queue": 2, "queue_timeout_s": 30}})
+    admission = proxy.server.config.app.runtime.admission
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
 
     def post() -> httpx.Response:
         return httpx.post(proxy.url + CHAT, json=body, timeout=30)
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        first = pool.submit(post)
-        assert eventually(lambda: sim_of(sim).stats()["running"] == 1, timeout=3)
-        queued = [pool.submit(post) for _ in range(2)]
-        time.sleep(0.2)
-        rejected = post()  # the queue (2) is full
-        assert rejected.status_code == 429 and rejected.headers["retry-after"] == "1"
-        assert rejected.json()["error"]["code"] == "server_saturated"
+        with held(sim.url):  # the one slot stays taken until released
+            first = pool.submit(post)
+            assert eventually(lambda: sim_of(sim).engine.held == 1, timeout=30)
+            queued = [pool.submit(post) for _ in range(2)]
+            assert eventually(lambda: admission.queued == 2, timeout=30)
+            rejected = post()  # the queue (2) is full
+            assert rejected.status_code == 429 and rejected.headers["retry-after"] == "1"
+            assert rejected.json()["error"]["code"] == "server_saturated"
         assert [f.result().status_code for f in [first, *queued]] == [200, 200, 200]
 
     # a client leaves the queue: the one behind it is served right after the running request
     requests_before = sum(sim_of(sim).stats()["requests"].values())
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        running = pool.submit(post)
-        assert eventually(lambda: sim_of(sim).stats()["running"] == 1, timeout=3)
-        raw = httpx.Request("POST", proxy.url + CHAT, json=body).read()
-        leaver = socket.create_connection(("127.0.0.1", proxy.port))
-        leaver.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                       % (CHAT.encode(), len(raw), raw))
-        time.sleep(0.2)
-        leaver.close()  # gives up while queued
-        behind = pool.submit(post)
-        done_running = running.result()
-        finished_at = time.monotonic()
-        assert done_running.status_code == 200 and behind.result().status_code == 200
-        assert time.monotonic() - finished_at < 1.0  # not held up by a request nobody waits for
+        with held(sim.url):
+            running = pool.submit(post)
+            assert eventually(lambda: sim_of(sim).engine.held == 1, timeout=30)
+            raw = httpx.Request("POST", proxy.url + CHAT, json=body).read()
+            leaver = socket.create_connection(("127.0.0.1", proxy.port))
+            leaver.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                           % (CHAT.encode(), len(raw), raw))
+            assert eventually(lambda: admission.queued == 1, timeout=30)
+            leaver.close()  # gives up while queued
+            assert eventually(lambda: admission.queued == 0, timeout=30)  # and leaves the queue at once
+            behind = pool.submit(post)
+            assert eventually(lambda: admission.queued == 1, timeout=30)
+        assert running.result().status_code == 200 and behind.result().status_code == 200
     assert sum(sim_of(sim).stats()["requests"].values()) - requests_before == 2  # the leaver never ran

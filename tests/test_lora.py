@@ -6,6 +6,7 @@ replica that did not hold it (a simulated replica counts those 404s in /sim/stat
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
 import threading
 import time
@@ -18,7 +19,7 @@ from proxy.config import ConfigError, parse_config
 from proxy.sim.app import create_app
 from proxy.sim.config import SimConfig
 from tests.conftest import MODEL, Servers, eventually, sim_of
-from tests.support import ServerThread
+from tests.support import ServerThread, held, sim_faults
 
 INTERVAL = 0.2  # the test proxies' discovery interval (conftest)
 
@@ -53,6 +54,11 @@ def loads(*sims: ServerThread) -> int:
 
 def holds(sim: ServerThread, adapter: str) -> bool:
     return adapter in sim_of(sim).models.adapters
+
+
+def proxy_sees(proxy: ServerThread, backend: str, adapter: str) -> bool:
+    """Whether the proxy's current view has `adapter` on replica `backend` (a healthy one)."""
+    return any(b.name == backend and b.healthy and adapter in b.adapters for b in proxy.server.config.app.runtime.backends)
 
 
 def on_demand(*adapters: str, **extra) -> list[dict]:
@@ -120,7 +126,7 @@ def test_discovered_adapter_follows_the_replicas_within_one_interval(servers: Se
     proxy = servers.proxy_for(a, b)  # no deployments: every discovered model and adapter, by its id
     assert chat(proxy, "fr").status_code == 404
     httpx.post(b.url + "/v1/load_lora_adapter", json={"lora_name": "fr", "lora_path": "/adapters/fr"})
-    assert eventually(lambda: chat(proxy, "fr").status_code == 200, timeout=3 * INTERVAL + 1)
+    assert eventually(lambda: chat(proxy, "fr").status_code == 200, timeout=10)
     models = {m["id"]: m for m in httpx.get(proxy.url + "/v1/models").json()["data"]}
     assert models["fr"]["parent"] == MODEL
     for _ in range(6):
@@ -128,7 +134,8 @@ def test_discovered_adapter_follows_the_replicas_within_one_interval(servers: Se
     # moved behind the proxy's back: off b, onto a
     httpx.post(b.url + "/v1/unload_lora_adapter", json={"lora_name": "fr"})
     httpx.post(a.url + "/v1/load_lora_adapter", json={"lora_name": "fr", "lora_path": "/adapters/fr"})
-    time.sleep(INTERVAL * 2.5)  # one interval (+ the poll's own time)
+    # within a discovery interval or so (generous: a busy machine polls late)
+    assert eventually(lambda: proxy_sees(proxy, "gpu-0", "fr") and not proxy_sees(proxy, "gpu-1", "fr"), timeout=10)
     for _ in range(6):
         r = chat(proxy, "fr")
         assert r.status_code == 200 and r.headers["x-vllm-proxy-backend"] == "gpu-0"
@@ -141,7 +148,7 @@ def test_declared_adapter_without_path_is_503_when_no_replica_holds_it(servers: 
     proxy = servers.proxy_for(sim, deployments=[{"name": "sql", "model": MODEL, "adapter": "sql-lora"}])
     assert chat(proxy, "sql").status_code == 200
     httpx.post(sim.url + "/v1/unload_lora_adapter", json={"lora_name": "sql-lora"})
-    time.sleep(INTERVAL * 2.5)
+    assert eventually(lambda: not proxy_sees(proxy, "gpu-0", "sql-lora"), timeout=10)  # the next poll shows it
     r = chat(proxy, "sql")
     assert r.status_code == 503 and "sql-lora" in r.json()["error"]["message"]
     assert_no_misroute(sim)
@@ -189,7 +196,7 @@ def test_load_goes_to_the_replica_with_fewest_adapters(servers: Servers) -> None
 
 def test_load_failure_is_503_naming_adapter_and_cause_then_backoff(servers: Servers) -> None:
     sim = servers.sim()
-    proxy = servers.proxy_for(sim, deployments=on_demand("sql"), lora={"backoff_s": 0.6})
+    proxy = servers.proxy_for(sim, deployments=on_demand("sql"), lora={"backoff_s": 1.5})
     httpx.post(sim.url + "/sim/faults", json={"fail_lora_loads": True})
     r = chat(proxy, "sql")
     error = r.json()["error"]
@@ -199,7 +206,7 @@ def test_load_failure_is_503_naming_adapter_and_cause_then_backoff(servers: Serv
     again = chat(proxy, "sql")  # inside the backoff: the replica is not tried
     assert again.status_code == 503 and "backoff" in again.json()["error"]["message"]
     assert "simulated fault" in again.json()["error"]["message"] and loads(sim) == 0
-    time.sleep(0.7)
+    time.sleep(int(again.headers["retry-after-ms"]) / 1000)  # as long as the proxy says the backoff lasts
     assert chat(proxy, "sql").status_code == 200 and loads(sim) == 1
     assert_no_misroute(sim)
 
@@ -225,23 +232,26 @@ def _stream_open(proxy: ServerThread, model: str) -> tuple[httpx.Client, httpx.R
 
 
 def test_eviction_unloads_the_lru_idle_adapter_never_a_busy_one(servers: Servers) -> None:
-    sim = servers.sim(time_scale=1.0, itl_ms=20, max_loras=4)
+    sim = servers.sim(max_loras=4)
     proxy = servers.proxy_for(sim, deployments=on_demand("a", "b", "c", "d"),
                               lora={"max_adapters_per_replica": 2, "load_timeout_s": 0.5})
-    client, stream = _stream_open(proxy, "a")  # `a` is loaded first (least recently used) and stays busy
-    assert chat(proxy, "b").status_code == 200
-    assert chat(proxy, "c").status_code == 200  # full: evicts `b` (idle), not `a` (in flight)
-    assert holds(sim, "a-lora") and holds(sim, "c-lora") and not holds(sim, "b-lora")
-    client2, stream2 = _stream_open(proxy, "c")  # now both residents are busy
-    r = chat(proxy, "d")
-    assert r.status_code == 503 and r.json()["error"]["code"] == "adapter_capacity"
-    assert "`d-lora`" in r.json()["error"]["message"]
-    text = stream.read().decode()  # the busy adapter's stream was never disturbed
-    assert text.rstrip().endswith("data: [DONE]") and holds(sim, "a-lora")
-    stream.close(), client.close()
-    # `a` is idle now (and least recently used): `d` takes its place while `c` still streams
-    assert chat(proxy, "d").status_code == 200
-    assert holds(sim, "c-lora") and holds(sim, "d-lora") and not holds(sim, "a-lora")
+    with held(sim.url, "a-lora"):  # streams stay in flight (busy) until the gate lets them go
+        client, stream = _stream_open(proxy, "a")  # `a` is loaded first (least recently used) and stays busy
+        assert chat(proxy, "b").status_code == 200
+        assert chat(proxy, "c").status_code == 200  # full: evicts `b` (idle), not `a` (in flight)
+        assert holds(sim, "a-lora") and holds(sim, "c-lora") and not holds(sim, "b-lora")
+        sim_faults(sim.url, hold_only=["a-lora", "c-lora"])
+        client2, stream2 = _stream_open(proxy, "c")  # now both residents are busy
+        r = chat(proxy, "d")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "adapter_capacity"
+        assert "`d-lora`" in r.json()["error"]["message"]
+        sim_faults(sim.url, hold_only=["c-lora"])  # `a` finishes, `c` stays busy
+        text = stream.read().decode()  # the busy adapter's stream was never disturbed
+        assert text.rstrip().endswith("data: [DONE]") and holds(sim, "a-lora")
+        stream.close(), client.close()
+        # `a` is idle now (and least recently used): `d` takes its place while `c` still streams
+        assert chat(proxy, "d").status_code == 200
+        assert holds(sim, "c-lora") and holds(sim, "d-lora") and not holds(sim, "a-lora")
     assert stream2.read().decode().rstrip().endswith("data: [DONE]")
     stream2.close(), client2.close()
     stats = sim_of(sim).stats()
@@ -250,12 +260,16 @@ def test_eviction_unloads_the_lru_idle_adapter_never_a_busy_one(servers: Servers
 
 
 def test_a_waiting_load_proceeds_when_an_adapter_frees_up(servers: Servers) -> None:
-    sim = servers.sim(time_scale=1.0, itl_ms=10, max_loras=4)
+    sim = servers.sim(max_loras=4)
     proxy = servers.proxy_for(sim, deployments=on_demand("a", "b"), lora={"max_adapters_per_replica": 1})
-    client, stream = _stream_open(proxy, "a")  # ~0.6 s in flight
-    started = time.monotonic()
-    assert chat(proxy, "b").status_code == 200  # waits for `a` to finish, then evicts it
-    assert time.monotonic() - started > 0.2
+    manager = proxy.server.config.app.runtime.lora
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with held(sim.url):
+            client, stream = _stream_open(proxy, "a")  # in flight until released
+            waiting = pool.submit(chat, proxy, "b")
+            assert eventually(lambda: manager._waiters == 1, timeout=30)  # the load of `b` waits for a free slot
+            assert not waiting.done() and holds(sim, "a-lora") and not holds(sim, "b-lora")
+        assert waiting.result().status_code == 200  # `a` finished: `b` evicted it
     stream.read(), stream.close(), client.close()
     assert holds(sim, "b-lora") and not holds(sim, "a-lora")
     assert_no_misroute(sim)
@@ -269,7 +283,9 @@ def test_replica_restarted_without_its_adapter_is_healed_by_reloading(servers: S
     proxy = servers.proxy_for(sim, deployments=on_demand("sql"))
     assert chat(proxy, "sql").status_code == 200 and holds(sim, "sql-lora")
     fresh = restart(servers, sim)
-    time.sleep(INTERVAL * 3)  # the proxy saw it go down and come back without the adapter
+    # the proxy saw it come back without the adapter
+    assert eventually(lambda: not proxy_sees(proxy, "gpu-0", "sql-lora")
+                      and proxy.server.config.app.runtime.backends[0].healthy, timeout=10)
     assert not holds(fresh, "sql-lora")
     r = chat(proxy, "sql")
     assert r.status_code == 200 and holds(fresh, "sql-lora")
@@ -282,7 +298,7 @@ def test_adapter_unloaded_behind_the_proxys_back_is_reloaded(servers: Servers) -
     proxy = servers.proxy_for(sim, deployments=on_demand("sql"))
     assert chat(proxy, "sql").status_code == 200
     httpx.post(sim.url + "/v1/unload_lora_adapter", json={"lora_name": "sql-lora"})
-    time.sleep(INTERVAL * 2.5)
+    assert eventually(lambda: not proxy_sees(proxy, "gpu-0", "sql-lora"), timeout=10)
     assert chat(proxy, "sql").status_code == 200
     assert sim_of(sim).stats()["lora_loads"] == 2
     assert_no_misroute(sim)
@@ -292,11 +308,11 @@ def test_min_replicas_are_kept_loaded_without_traffic(servers: Servers) -> None:
     sims = [servers.sim(), servers.sim(), servers.sim()]
     proxy = servers.proxy_for(*sims, deployments=on_demand("sql", min_replicas=2),
                               lora={"rebalance_interval_s": 0.1})
-    assert eventually(lambda: sum(holds(s, "sql-lora") for s in sims) == 2, timeout=3)
+    assert eventually(lambda: sum(holds(s, "sql-lora") for s in sims) == 2, timeout=10)
     holder = next(s for s in sims if holds(s, "sql-lora"))
     i = sims.index(holder)
     sims[i] = restart(servers, holder)
-    assert eventually(lambda: sum(holds(s, "sql-lora") for s in sims) == 2, timeout=5)
+    assert eventually(lambda: sum(holds(s, "sql-lora") for s in sims) == 2, timeout=10)
     time.sleep(0.3)
     assert sum(holds(s, "sql-lora") for s in sims) == 2  # no overshoot
     assert chat(proxy, "sql").status_code == 200
@@ -323,7 +339,7 @@ def test_hot_adapter_spreads_up_to_max_replicas_and_shrinks_when_cool(servers: S
     assert loads(*sims) == 2  # spread to exactly one more replica (max_replicas=2)
     used = [s for s in sims if adapter_requests(s, "sql-lora") > 0]
     assert len(used) == 2 and all(holds(s, "sql-lora") for s in used)
-    assert eventually(lambda: sum(holds(s, "sql-lora") for s in sims) == 1, timeout=3)  # cooled down
+    assert eventually(lambda: sum(holds(s, "sql-lora") for s in sims) == 1, timeout=10)  # cooled down
     assert sum(sim_of(s).stats()["lora_unloads"] for s in sims) == 1
     assert chat(proxy, "sql").status_code == 200
     assert_no_misroute(*sims)

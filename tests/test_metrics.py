@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from statistics import median
+from statistics import mean, median
 
 import httpx
 import orjson
@@ -23,7 +23,7 @@ from proxy.accesslog import LOGGER, usage_tokens
 from proxy.scrape import Reading, _Previous, hit_ratio, parse_vllm_metrics
 from proxy.sim.tokenizer import render_chat
 from tests.conftest import MODEL, Servers, eventually, sim_of
-from tests.support import ServerThread
+from tests.support import ServerThread, held, sim_faults
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = "/v1/chat/completions"
@@ -93,8 +93,28 @@ def paced_sim(servers: Servers) -> ServerThread:
     return servers.sim(time_scale=1.0, itl_ms=3.0, prefill_ms_per_token=0.0)
 
 
+def lock_step_events(url: str, sim: ServerThread, body: dict) -> list[str]:
+    """The SSE data lines of streaming `body` through the proxy at `url`, with replica `sim` in lock
+    step with the client: its next decoding step waits until the client has the last token, so every
+    step reaches the proxy in a read of its own, however busy the machine."""
+    sim_faults(sim.url, steps=1)
+    events = []
+    try:
+        with httpx.stream("POST", url + CHAT, json=body, timeout=30) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    choices = orjson.loads(line[6:]).get("choices") if line != "data: [DONE]" else None
+                    if choices and "role" not in choices[0]["delta"]:
+                        sim_faults(sim.url, steps=1)  # a token arrived: the next step may go
+    finally:
+        sim_faults(sim.url, steps=-1)
+    return events
+
+
 def test_counters_say_n_and_every_family_is_present(servers: Servers) -> None:
-    proxy = servers.proxy_for(paced_sim(servers))
+    sim = paced_sim(servers)
+    proxy = servers.proxy_for(sim)
     plain, streamed, unknown = 7, 5, 3
     with httpx.Client(base_url=proxy.url) as client:
         for i in range(plain):
@@ -102,7 +122,7 @@ def test_counters_say_n_and_every_family_is_present(servers: Servers) -> None:
         for i in range(unknown):
             assert client.post(CHAT, json={**chat(), "model": f"no-such-model-{i}"}).status_code == 404
     for i in range(streamed):
-        assert stream_events(proxy.url, chat(f"stream {i}", stream=True))[-1] == "data: [DONE]"
+        assert lock_step_events(proxy.url, sim, chat(f"stream {i}", stream=True))[-1] == "data: [DONE]"
 
     fams = families(proxy)
     for name in FAMILIES:
@@ -119,11 +139,12 @@ def test_counters_say_n_and_every_family_is_present(servers: Servers) -> None:
     assert value(fams, ttft, ttft + "_count", deployment=MODEL, backend="gpu-0") == streamed  # streaming only
     itl = "vllm_proxy_inter_token_latency_seconds"
     # 8 decoding steps (the first carries the role and first token): 7 gaps; [DONE] is no token.
-    # One gap per upstream read: on a busy machine two steps may arrive in one read, never more gaps.
-    assert streamed * 5 <= value(fams, itl, itl + "_count", deployment=MODEL, backend="gpu-0") <= streamed * 7
+    # One gap per upstream read; in lock step every step is a read of its own.
+    assert value(fams, itl, itl + "_count", deployment=MODEL, backend="gpu-0") == streamed * 7
     overhead = "vllm_proxy_overhead_seconds"
     assert value(fams, overhead, overhead + "_count", endpoint=CHAT) == plain + streamed
-    assert 0 < value(fams, overhead, overhead + "_sum") / (plain + streamed) < 0.05
+    # seconds, and a part of each request's time (a fixed bound would break on a busy machine)
+    assert 0 < value(fams, overhead, overhead + "_sum") < value(fams, duration, duration + "_sum", **ok)
     assert value(fams, "vllm_proxy_routing_decisions", "vllm_proxy_routing_decisions_total") == plain + streamed
     assert value(fams, "vllm_proxy_in_flight_requests", backend="gpu-0") == 0
     assert value(fams, "vllm_proxy_backend_up", backend="gpu-0") == 1
@@ -141,9 +162,10 @@ def test_upstream_errors_and_status_codes_are_counted(servers: Servers) -> None:
 
 def test_usage_only_chunk_and_include_usage(servers: Servers) -> None:
     """With include_usage the last event has `"choices":[]`: not a token, so not an ITL sample."""
-    proxy = servers.proxy_for(paced_sim(servers))
-    events = stream_events(proxy.url, chat(stream=True, max_tokens=5, stream_options={"include_usage": True}))
-    assert '"usage"' in events[-2]
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim)
+    events = lock_step_events(proxy.url, sim, chat(stream=True, max_tokens=5, stream_options={"include_usage": True}))
+    assert '"usage"' in events[-2] and len(events) == 1 + 5 + 2  # role, tokens, usage, [DONE]
     fams = families(proxy)
     itl = "vllm_proxy_inter_token_latency_seconds"
     assert value(fams, itl, itl + "_count") == 4
@@ -189,14 +211,17 @@ def test_ttft_and_itl_medians_match_the_sim(servers: Servers) -> None:
     itl = quantile(fams, "vllm_proxy_inter_token_latency_seconds", 0.5, **labels)
     client_ttft = median(r[0] for r in results)
     client_itl = median(g for r in results for g in r[1])
+    client_mean_itl = mean(g for r in results for g in r[1])
     print(f"TTFT median: histogram {ttft * 1000:.1f} ms, client {client_ttft * 1000:.1f} ms; "
           f"ITL median: histogram {itl * 1000:.1f} ms, client {client_itl * 1000:.1f} ms")
-    assert target_ttft * 0.8 <= ttft <= target_ttft * 1.2
-    assert target_itl * 0.8 <= itl <= target_itl * 1.2
+    # never below what the replica takes; above it only as far as the client saw too (on an idle
+    # machine the client sees the targets; a busy one stretches every gap, for everybody)
+    assert target_ttft * 0.8 <= ttft <= max(target_ttft, client_ttft) * 1.2
+    assert target_itl * 0.8 <= itl <= max(target_itl, client_itl) * 1.2
     # the exact means (sum / count) agree too
     name = "vllm_proxy_inter_token_latency_seconds"
     mean_itl = value(fams, name, name + "_sum", **labels) / value(fams, name, name + "_count", **labels)
-    assert target_itl * 0.9 <= mean_itl <= target_itl * 1.2
+    assert target_itl * 0.9 <= mean_itl <= max(target_itl, client_mean_itl) * 1.2
 
 
 # --- scraped backend state --------------------------------------------------------------------
@@ -208,19 +233,20 @@ def gauge(proxy: ServerThread, family: str, backend: str = "gpu-0") -> float | N
 
 
 def test_waiting_and_kv_usage_follow_the_sim(servers: Servers) -> None:
-    sim = servers.sim(time_scale=1.0, max_num_seqs=1, itl_ms=50.0, prefill_ms_per_token=0.0)
+    sim = servers.sim(max_num_seqs=1)
     proxy = servers.proxy_for(sim)
-    assert eventually(lambda: gauge(proxy, "vllm_proxy_backend_requests_waiting") == 0, timeout=3)
+    assert eventually(lambda: gauge(proxy, "vllm_proxy_backend_requests_waiting") == 0, timeout=10)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(httpx.post, proxy.url + CHAT, json=chat(f"q{i}", max_tokens=40), timeout=30)
-                   for i in range(4)]
-        assert eventually(lambda: sim_of(sim).stats()["waiting"] == 3, timeout=3)
-        assert eventually(lambda: gauge(proxy, "vllm_proxy_backend_requests_waiting") == 3, timeout=3)
-        kv = gauge(proxy, "vllm_proxy_backend_kv_cache_usage")
-        assert kv is not None and 0 < kv <= 1
+        with held(sim.url):  # one runs (held), three queue behind it, for as long as the scrapes take
+            futures = [pool.submit(httpx.post, proxy.url + CHAT, json=chat(f"q{i}", max_tokens=40), timeout=30)
+                       for i in range(4)]
+            assert eventually(lambda: sim_of(sim).stats()["waiting"] == 3, timeout=30)
+            assert eventually(lambda: gauge(proxy, "vllm_proxy_backend_requests_waiting") == 3, timeout=30)
+            kv = gauge(proxy, "vllm_proxy_backend_kv_cache_usage")
+            assert kv is not None and 0 < kv <= 1
         assert all(f.result().status_code == 200 for f in futures)
-    assert eventually(lambda: gauge(proxy, "vllm_proxy_backend_requests_waiting") == 0, timeout=3)
-    assert eventually(lambda: gauge(proxy, "vllm_proxy_backend_kv_cache_usage") == 0, timeout=3)
+    assert eventually(lambda: gauge(proxy, "vllm_proxy_backend_requests_waiting") == 0, timeout=10)
+    assert eventually(lambda: gauge(proxy, "vllm_proxy_backend_kv_cache_usage") == 0, timeout=10)
 
 
 def test_hit_ratio_follows_the_sim(servers: Servers) -> None:
@@ -228,7 +254,7 @@ def test_hit_ratio_follows_the_sim(servers: Servers) -> None:
     proxy = servers.proxy_for(sim)
     prompt = "a long shared system prompt " * 40
     assert httpx.post(proxy.url + CHAT, json=chat(prompt, max_tokens=1)).status_code == 200  # all misses
-    assert eventually(lambda: gauge(proxy, "vllm_proxy_backend_prefix_cache_hit_ratio") == 0.0, timeout=3)
+    assert eventually(lambda: gauge(proxy, "vllm_proxy_backend_prefix_cache_hit_ratio") == 0.0, timeout=10)
     before = sim_of(sim).stats()["prefix_cache"]
     for _ in range(4):
         assert httpx.post(proxy.url + CHAT, json=chat(prompt, max_tokens=1)).status_code == 200
@@ -237,7 +263,7 @@ def test_hit_ratio_follows_the_sim(servers: Servers) -> None:
     assert expected > 0.8
     # every repeat has the same ratio, so any scrape window over them shows `expected`
     assert eventually(
-        lambda: abs((gauge(proxy, "vllm_proxy_backend_prefix_cache_hit_ratio") or 0) - expected) < 1e-9, timeout=3
+        lambda: abs((gauge(proxy, "vllm_proxy_backend_prefix_cache_hit_ratio") or 0) - expected) < 1e-9, timeout=10
     )
 
 
@@ -301,12 +327,14 @@ def test_request_id_forwarded_and_returned_and_overhead_header(servers: Servers)
     backend = ServerThread(upstream).start()
     servers.running.append(backend)
     proxy = servers.proxy_for(backend)
+    sent = time.perf_counter()
     resp = httpx.post(proxy.url + CHAT, json=chat(), headers={"x-request-id": "client-id-42"})
+    elapsed_ms = (time.perf_counter() - sent) * 1000
     assert resp.status_code == 200
     assert resp.headers["x-request-id"] == "client-id-42"
     assert upstream.headers[-1]["x-request-id"] == "client-id-42"
     overhead_ms = float(resp.headers["x-vllm-proxy-overhead-ms"])
-    assert 0 < overhead_ms < 50
+    assert 0 < overhead_ms < elapsed_ms  # milliseconds, a part of what the client waited
 
     resp = httpx.post(proxy.url + CHAT, json=chat())
     generated = resp.headers["x-request-id"]
@@ -452,7 +480,7 @@ def test_two_workers_count_every_request(servers: Servers, tmp_path: Path) -> No
             except httpx.HTTPError:
                 return False
 
-        assert eventually(ready, timeout=20, interval=0.1), "proxy with 2 workers did not become ready"
+        assert eventually(ready, timeout=40, interval=0.1), "proxy with 2 workers did not become ready"
         n = 40
         for i in range(n):  # a new connection each time, so both workers get requests
             with httpx.Client(base_url=url) as client:
@@ -464,7 +492,7 @@ def test_two_workers_count_every_request(servers: Servers, tmp_path: Path) -> No
         def complete() -> bool:  # workers publish their counts to the shared files every second
             return value(scrape(), "vllm_proxy_requests", "vllm_proxy_requests_total", status_code="200") == n
 
-        assert eventually(complete, timeout=5, interval=0.2)
+        assert eventually(complete, timeout=15, interval=0.2)
         for _ in range(6):  # whichever worker answers /metrics, it reports all of them
             fams = scrape()
             assert value(fams, "vllm_proxy_requests", "vllm_proxy_requests_total", status_code="200") == n

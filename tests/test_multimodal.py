@@ -27,8 +27,7 @@ def text_body(i: int) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 2}
 
 
-@pytest.fixture
-def mixed(servers: Servers):
+def mixed_fleet(servers: Servers):
     """gpu-0 untrusted, gpu-1 trusted, round robin so text traffic visibly uses both."""
     untrusted, trusted = servers.sim(), servers.sim(trust_request_mm_kwargs=True)
     proxy = servers.proxy({
@@ -37,6 +36,17 @@ def mixed(servers: Servers):
         "routing": {"policy": "round_robin"},
     })
     return proxy, untrusted, trusted
+
+
+@pytest.fixture
+def mixed(servers: Servers):
+    return mixed_fleet(servers)
+
+
+@pytest.fixture(scope="module")
+def shared_mixed(module_servers: Servers):
+    """`mixed`, shared by the URL checks (they look at answers only, never at replica counters)."""
+    return mixed_fleet(module_servers)
 
 
 def post(proxy: ServerThread, body: dict) -> httpx.Response:
@@ -153,8 +163,8 @@ FORBIDDEN = [
 
 
 @pytest.mark.parametrize("url", FORBIDDEN)
-def test_forbidden_media_urls_are_refused(mixed, url: str) -> None:
-    proxy, untrusted, trusted = mixed
+def test_forbidden_media_urls_are_refused(shared_mixed, url: str) -> None:
+    proxy, untrusted, trusted = shared_mixed
     error = error_of(post(proxy, mm_body(image(url))))
     assert error["code"] == "media_url_forbidden", error
     assert error["param"] == "messages[0].content[1].image_url.url"
@@ -166,13 +176,13 @@ def test_forbidden_media_urls_are_refused(mixed, url: str) -> None:
     "https://8.8.8.8/a.png", "https://[2606:4700:4700::1111]/a.png", "https://EXAMPLE.com./a.png",
     "data:image/png;base64,iVBORw0KGgo=",
 ])
-def test_public_and_data_urls_pass(mixed, url: str) -> None:
-    proxy, untrusted, trusted = mixed
+def test_public_and_data_urls_pass(shared_mixed, url: str) -> None:
+    proxy, untrusted, trusted = shared_mixed
     assert post(proxy, mm_body(image(url))).status_code == 200
 
 
-def test_other_media_part_types_are_guarded(mixed) -> None:
-    proxy, *_ = mixed
+def test_other_media_part_types_are_guarded(shared_mixed) -> None:
+    proxy, *_ = shared_mixed
     for part in (
         {"type": "video_url", "video_url": {"url": "https://10.0.0.1/v.mp4"}},
         {"type": "audio_url", "audio_url": {"url": "https://localhost/a.wav"}},
@@ -225,15 +235,16 @@ def fuzz_target():
                      {"name": "trusted", "url": trusted.url, "trust_request_mm_kwargs": True}],
         "routing": {"policy": "round_robin"},
     })
-    yield proxy, capture
+    with httpx.Client(base_url=proxy.url) as client:  # one client: not one (and one SSL context) per example
+        yield proxy, capture, client
     servers.stop()
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=st.lists(message, min_size=1, max_size=3), extra=request_extra)
 def test_fuzzed_content_never_500_and_never_bypasses(fuzz_target, messages, extra) -> None:
-    proxy, capture = fuzz_target
-    resp = httpx.post(proxy.url + CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 1, **extra})
+    proxy, capture, client = fuzz_target
+    resp = client.post(CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 1, **extra})
     assert resp.status_code < 500, resp.text
     assert set(resp.json()) & {"error", "choices"}
     for body in capture.bodies:  # the untrusted replica only ever saw text-only requests

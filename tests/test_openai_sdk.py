@@ -18,6 +18,12 @@ TOOLS = [{
 }]
 
 
+@pytest.fixture
+def fleet(shared_fleet):
+    """These tests only read answers: one fleet for all of them (a local override of conftest's)."""
+    return shared_fleet
+
+
 def client_for(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="test", max_retries=0)
 

@@ -156,43 +156,42 @@ def test_pipelined_client_leaving_cancels_the_running_stream(servers: Servers, c
     from tests.conftest import eventually, sim_of
 
     caplog.set_level(logging.ERROR, logger="vllm_proxy")
-    sim = servers.sim(time_scale=1.0, itl_ms=20.0, prefill_ms_per_token=0.0)
+    sim = servers.sim(time_scale=1.0, itl_ms=50.0, prefill_ms_per_token=0.0)  # 20 s unless cut off
     proxy = servers.proxy_for(sim)
     for _ in range(2):
         long = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                              "max_tokens": 400, "stream": True})
         sock = connect(proxy)
         sock.sendall(request(long) + request(chat_body()))
-        assert eventually(lambda: sim_of(sim).stats()["running"] == 1, timeout=3)
+        assert eventually(lambda: sim_of(sim).stats()["running"] == 1, timeout=10)
         aborted = sim_of(sim).stats()["aborted"]
         sock.close()
-        assert eventually(lambda: sim_of(sim).stats()["running"] == 0, timeout=1.0), "replica still generating"
+        assert eventually(lambda: sim_of(sim).stats()["running"] == 0, timeout=10), "replica still generating"
         assert sim_of(sim).stats()["aborted"] == aborted + 1
     time.sleep(0.1)
     assert not [r for r in caplog.records if r.name.startswith("vllm_proxy")], caplog.records
 
 
 def test_stream_head_is_sent_before_the_first_token_and_responses_carry_date(servers: Servers) -> None:
-    import time
+    from tests.conftest import sim_of
+    from tests.support import held
 
-    sim = servers.sim(time_scale=1.0, prefill_ms_per_token=0.5)  # ~1 s of prefill for 2000 words
+    sim = servers.sim()
     proxy = servers.proxy_for(sim)
     body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 2000}],
                          "max_tokens": 2, "stream": True})
     sock = connect(proxy)
-    sent = time.monotonic()
-    sock.sendall(request(body))
     f = sock.makefile("rb")
-    assert f.readline().startswith(b"HTTP/1.1 200")
-    head_after = time.monotonic() - sent
-    headers = {}
-    while (line := f.readline()) != b"\r\n":
-        name, _, value = line.decode().partition(":")
-        headers[name.strip().lower()] = value.strip()
+    with held(sim.url):  # the prefill lasts until released
+        sock.sendall(request(body))
+        assert f.readline().startswith(b"HTTP/1.1 200")
+        assert sim_of(sim).engine.held == 1  # headers did not wait for prefill
+        headers = {}
+        while (line := f.readline()) != b"\r\n":
+            name, _, value = line.decode().partition(":")
+            headers[name.strip().lower()] = value.strip()
     first_event = f.readline()
-    token_after = time.monotonic() - sent
     assert first_event.strip(), first_event
-    assert head_after < 0.5 < token_after, (head_after, token_after)  # headers did not wait for prefill
     assert "date" in headers and headers["content-type"].startswith("text/event-stream")
     sock.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import socket
 import struct
@@ -18,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.sim import SimApp, SimConfig, create_app
 from proxy.sim.cli import add_arguments, config_from_args
-from tests.support import ServerThread
+from proxy.sim.faults import Faults
+from tests.support import ServerThread, held, sim_faults
 
 BASE = "meta-llama/Llama-3.1-8B-Instruct"
 USER = [{"role": "user", "content": "Say something."}]
@@ -55,11 +57,18 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-def wait_for(predicate, timeout: float = 2.0) -> None:
+def wait_for(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.005)
+
+
+async def until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
 
 
 def raw_request(url: str, path: str, body: dict) -> socket.socket:
@@ -279,76 +288,77 @@ async def test_max_loras_makes_other_adapters_wait():
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         kwargs = {"messages": USER, "max_tokens": 10, "extra_body": {"ignore_eos": True}}
         engine = app.engine
-        first = asyncio.create_task(client.chat.completions.create(model="a", **kwargs))
-        while not engine.running:
-            await asyncio.sleep(0.005)
-        base = asyncio.create_task(client.chat.completions.create(model=BASE, **kwargs))
-        second = asyncio.create_task(client.chat.completions.create(model="b", **kwargs))
-        deadline = time.monotonic() + 2.0
-        # all three admitted, the base request scheduled (it may sit in `waiting` for a step first)
-        while (len(engine.running) + len(engine.waiting) < 3 or None not in {r.adapter for r in engine.running}) \
-                and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-        assert {r.adapter for r in engine.running} == {"a", None} and [r.adapter for r in engine.waiting] == ["b"]
-        info = next(k for k in metrics(url) if k.startswith("vllm:lora_requests_info"))
-        assert "running_lora_adapters=a," in info and "waiting_lora_adapters=b" in info and "max_lora=1" in info
-        t0 = time.monotonic()
+        with held(url):  # scheduled requests stay in the batch until released
+            first = asyncio.create_task(client.chat.completions.create(model="a", **kwargs))
+            await until(lambda: engine.held == 1)
+            base = asyncio.create_task(client.chat.completions.create(model=BASE, **kwargs))
+            second = asyncio.create_task(client.chat.completions.create(model="b", **kwargs))
+            # "a" and the base request scheduled, "b" waits for the one LoRA slot
+            await until(lambda: engine.held == 2 and len(engine.waiting) == 1)
+            assert {r.adapter for r in engine.running} == {"a", None} and [r.adapter for r in engine.waiting] == ["b"]
+            info = next(k for k in metrics(url) if k.startswith("vllm:lora_requests_info"))
+            assert "running_lora_adapters=a," in info and "waiting_lora_adapters=b" in info and "max_lora=1" in info
+            t0 = time.monotonic()
         r_b = await second
-        assert time.monotonic() - t0 > 0.15  # waited for "a" to finish its ~0.2 s
+        assert time.monotonic() - t0 > 0.15  # released, "b" still waited for "a" to finish its ~0.3 s
         assert (await first).model == "a" and r_b.model == "b" and (await base).model == BASE
         await client.close()
 
 
 def test_latency_model():
-    with serve(time_scale=1, prefill_ms_per_token=1, itl_ms=10) as (url, _):
+    with serve(time_scale=1, prefill_ms_per_token=3, itl_ms=10) as (url, _):
         body = {"model": BASE, "prompt": [7] * 200, "max_tokens": 5, "ignore_eos": True}
         t0 = time.monotonic()
         assert httpx.post(url + "/v1/completions", json=body).status_code == 200
-        cold = time.monotonic() - t0  # 200 ms prefill + 4 x 10 ms
-        t0 = time.monotonic()
-        httpx.post(url + "/v1/completions", json=body)
-        warm = time.monotonic() - t0  # 8 uncached tokens
-        assert 0.22 < cold < 0.6 and warm < 0.15
+        cold = time.monotonic() - t0  # 600 ms prefill + 4 x 10 ms
+        warm = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            httpx.post(url + "/v1/completions", json=body)
+            warm.append(time.monotonic() - t0)  # 8 uncached tokens: 24 ms + 4 x 10 ms
+        # a lower bound holds on any machine; a busy one adds to the warm requests' time, but
+        # hardly a quarter of a second to the quickest of three
+        assert cold > 0.64 and min(warm) < cold / 2
         m = metrics(url)
-        assert m["vllm:time_to_first_token_seconds_count"] == 2 and m["vllm:inter_token_latency_seconds_count"] == 8
+        assert m["vllm:time_to_first_token_seconds_count"] == 4 and m["vllm:inter_token_latency_seconds_count"] == 16
 
 
 def test_max_num_seqs_queue_and_kv_usage():
-    with serve(max_num_seqs=2, time_scale=1, itl_ms=50, num_gpu_blocks=100) as (url, app):
+    with serve(max_num_seqs=2, num_gpu_blocks=100) as (url, app), held(url):  # they stay until they leave
         socks = [raw_request(url, "/v1/completions", {"prompt": [1] * 64, "max_tokens": 20, "ignore_eos": True})
                  for _ in range(3)]
         wait_for(lambda: len(app.engine.running) == 2 and len(app.engine.waiting) == 1)
         m = metrics(url)
         assert m["vllm:num_requests_running"] == 2 and m["vllm:num_requests_waiting"] == 1
         assert 0.08 <= m["vllm:kv_cache_usage_perc"] <= 0.2
-        socks[2].close()  # the queued one leaves: gone from the queue at once
-        wait_for(lambda: not app.engine.waiting, 1.0)
+        socks[2].close()  # the queued one leaves: gone from the queue
+        wait_for(lambda: not app.engine.waiting)
+        assert len(app.engine.running) == 2
         for s in socks[:2]:
             s.close()
-        wait_for(lambda: not app.engine.running, 1.0)
+        wait_for(lambda: not app.engine.running)  # held: only an abort ends them
         assert app.engine.stats.aborted == 3 and metrics(url)["vllm:request_success_total{finished_reason=abort}"] == 3
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_during_prefill_aborts(stream):
-    with serve(time_scale=1, prefill_ms_per_token=20) as (url, app):  # ~10 s of prefill
+    with serve() as (url, app), held(url):  # a prefill that never ends unless the client leaves
         sock = raw_request(url, "/v1/completions", {"model": BASE, "prompt": [3] * 500, "stream": stream})
         if stream:
             assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # vLLM sends stream headers before scheduling
-        wait_for(lambda: len(app.engine.running) == 1)
+        wait_for(lambda: app.engine.held == 1)
         sock.close()
-        t0 = time.monotonic()
-        wait_for(lambda: metrics(url)["vllm:num_requests_running"] == 0, 1.0)
-        assert time.monotonic() - t0 < 1 and app.engine.stats.aborted == 1
+        wait_for(lambda: metrics(url)["vllm:num_requests_running"] == 0)
+        assert app.engine.stats.aborted == 1 and app.engine.stats.completed == 0
 
 
 def test_disconnect_mid_stream_aborts():
-    with serve(time_scale=1, itl_ms=50) as (url, app):
+    with serve(time_scale=1, itl_ms=200) as (url, app):  # 40 s of tokens unless the client leaves
         body = {"model": BASE, "messages": USER, "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.Client() as client, client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-        wait_for(lambda: not app.engine.running, 1.0)
+        wait_for(lambda: not app.engine.running)
         assert app.engine.stats.aborted == 1
         assert 0 < metrics(url)["vllm:generation_tokens_total"] < 20
 
@@ -400,4 +410,41 @@ def test_faults():
         stats = httpx.get(url + "/sim/stats").json()
         assert stats["faults"]["hang"] is True and stats["running"] == 0
         assert httpx.post(url + "/sim/reset").json()["faults"]["hang"] is False
-        assert httpx.get(url + "/health", timeout=1).status_code == 200
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+def test_hold_gate():
+    """The tests' gate: scheduled requests wait before prefill until released, per model if asked."""
+    with serve(lora_modules={"a": "/a"}) as (url, app), concurrent.futures.ThreadPoolExecutor(4) as pool:
+        engine = app.engine
+        assert httpx.post(url + "/sim/faults", json={"hold_only": "a"}).status_code == 400  # a list of names
+        sim_faults(url, hold=True, hold_only=["a"])
+        held_a = pool.submit(httpx.post, url + "/v1/completions", json={"model": "a", "prompt": "x"}, timeout=30)
+        wait_for(lambda: engine.held == 1)
+        assert httpx.post(url + "/v1/completions", json={"model": BASE, "prompt": "x"}).status_code == 200  # not held
+        assert not held_a.done() and httpx.get(url + "/sim/stats").json()["held"] == 1
+        sim_faults(url, hold_only=[BASE])  # "a" leaves the held set: it goes on, hold stays on
+        assert held_a.result().status_code == 200
+        held_base = pool.submit(httpx.post, url + "/v1/completions", json={"model": BASE, "prompt": "x"}, timeout=30)
+        wait_for(lambda: engine.held == 1)
+        assert httpx.post(url + "/sim/reset").json()["faults"] == {**Faults().as_dict()}  # reset releases too
+        assert held_base.result().status_code == 200 and engine.held == 0
+
+
+def test_step_pacing():
+    """`steps` lets a test pace decoding: at 0 a request waits before its next step."""
+    with serve() as (url, app):
+        assert httpx.post(url + "/sim/faults", json={"steps": -2}).status_code == 400
+        sim_faults(url, steps=0)
+        body = {"model": BASE, "prompt": "x", "max_tokens": 3, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            wait_for(lambda: len(app.engine.running) == 1)
+            assert next(iter(app.engine.running)).steps_done == 0  # waits before its first step
+            sim_faults(url, steps=1)
+            assert orjson.loads(next(lines)[6:])["choices"][0]["text"]  # one step
+            wait_for(lambda: app.faults.steps == 0)
+            assert next(iter(app.engine.running)).steps_done == 1
+            sim_faults(url, steps=-1)  # unlimited again: the rest at once
+            rest = list(lines)
+        assert len(rest) == 3 and rest[-1] == "data: [DONE]" and app.engine.stats.completed == 1

@@ -13,6 +13,7 @@ import pytest
 
 from proxy.server import ProxyProtocol
 from tests.conftest import MODEL, Servers, eventually, sim_of
+from tests.support import held
 
 LONG_PROMPT = "word " * 2000
 
@@ -49,32 +50,31 @@ SERVERS = pytest.mark.parametrize("http", [ProxyProtocol, "httptools"], ids=["le
 @SERVERS
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_during_prefill_frees_the_replica(servers: Servers, stream: bool, http) -> None:
-    sim = servers.sim(time_scale=1.0, prefill_ms_per_token=5.0, itl_ms=10.0)  # ~10 s of prefill
+    sim = servers.sim()
     proxy = servers.proxy({"backends": [{"name": "gpu-0", "url": sim.url}]}, http=http)
     body = orjson.dumps(chat(stream, content=LONG_PROMPT))
-    sock = socket.create_connection(("127.0.0.1", proxy.port))
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-    )
-    assert eventually(lambda: running(sim) == 1, timeout=3), "request never reached the replica"
-    sock.close()  # the client goes away before the first byte
-    closed_at = time.monotonic()
-    assert eventually(lambda: running(sim) == 0, timeout=1.0), "replica slot still busy 1 s after disconnect"
-    assert time.monotonic() - closed_at < 1.0
-    assert sim_of(sim).stats()["aborted"] == 1
+    with held(sim.url):  # a prefill that never ends unless the request is aborted
+        sock = socket.create_connection(("127.0.0.1", proxy.port))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        assert eventually(lambda: sim_of(sim).engine.held == 1, timeout=30), "request never reached the replica"
+        sock.close()  # the client goes away before the first byte
+        assert eventually(lambda: running(sim) == 0, timeout=30), "replica slot still busy after the disconnect"
+    assert sim_of(sim).stats()["aborted"] == 1 and sim_of(sim).stats()["completed"] == 0
 
 
 @SERVERS
 def test_disconnect_mid_stream_frees_the_replica(servers: Servers, http) -> None:
-    sim = servers.sim(time_scale=1.0, prefill_ms_per_token=0.0, itl_ms=50.0)
+    sim = servers.sim(time_scale=1.0, prefill_ms_per_token=0.0, itl_ms=100.0)  # 40 s unless cut off
     proxy = servers.proxy({"backends": [{"name": "gpu-0", "url": sim.url}]}, http=http)
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", proxy.url + "/v1/chat/completions", json=chat(True, max_tokens=400)) as resp:
             lines = resp.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             assert running(sim) == 1
-    assert eventually(lambda: running(sim) == 0, timeout=1.0)
+    assert eventually(lambda: running(sim) == 0, timeout=20)
     assert sim_of(sim).stats()["aborted"] == 1
     metrics = httpx.get(proxy.url + "/metrics").text
     assert 'vllm_proxy_client_disconnects_total{deployment="%s",phase="streaming"} 1.0' % MODEL in metrics

@@ -62,8 +62,8 @@ class SimApp:
         self.config = config
         self.metrics = SimMetrics(config.model_id)
         self.models = Models(config)
-        self.engine = Engine(config, self.models, self.metrics)
         self.faults = Faults()
+        self.engine = Engine(config, self.models, self.metrics, self.faults)
         self.responses = ResponsesAPI(self.engine, self.models)
         self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
         # path -> (method, handler, watch for client disconnect)
@@ -293,7 +293,7 @@ class SimApp:
         served = dict.fromkeys([models.base_id, *models.adapters], 0)
         return {
             "requests": {**served, **s.requests}, "not_found": dict(s.not_found), "multimodal_requests": s.multimodal,
-            "running": len(engine.running), "waiting": len(engine.waiting),
+            "running": len(engine.running), "waiting": len(engine.waiting), "held": engine.held,
             "completed": s.completed, "aborted": s.aborted,
             "lora_loads": models.loads, "lora_unloads": models.unloads, "lora_reloads": models.reloads,
             "prefix_cache": {"queries": s.prefix_queries, "hits": s.prefix_hits, "blocks": len(engine.cache),

@@ -16,6 +16,7 @@ from typing import Awaitable, Callable
 
 from proxy.sim.cache import PrefixCache
 from proxy.sim.config import SimConfig
+from proxy.sim.faults import Faults
 from proxy.sim.metrics import SimMetrics
 from proxy.sim.models import Models
 from proxy.sim.tokenizer import token_id
@@ -76,8 +77,10 @@ Emit = Callable[[int], Awaitable[None]]
 
 
 class Engine:
-    def __init__(self, config: SimConfig, models: Models, metrics: SimMetrics) -> None:
+    def __init__(self, config: SimConfig, models: Models, metrics: SimMetrics, faults: Faults | None = None) -> None:
         self.config = config
+        self.faults = faults or Faults()
+        self.held = 0  # requests waiting at the `hold` gate (fault injection)
         self.models = models
         self.metrics = metrics
         self.cache = PrefixCache(config.block_size, config.num_gpu_blocks)
@@ -101,6 +104,8 @@ class Engine:
         try:
             if req.admitted is not None:
                 await req.admitted
+            if self.faults.hold:
+                await self._hold(req.adapter or config.model_id)
             delay = config.delay(self._prefill(req))
             if delay:
                 await asyncio.sleep(delay)
@@ -116,6 +121,8 @@ class Engine:
                     now = time.perf_counter()
                     metrics.itl.observe(now - last)
                     last = now
+                if self.faults.steps >= 0:
+                    await self.faults.take_step()
                 req.steps_done = step + 1
                 if emit is not None:
                     await emit(step)
@@ -123,6 +130,13 @@ class Engine:
         finally:
             self._finish(req, ok)
             metrics.e2e.observe(time.perf_counter() - arrival)
+
+    async def _hold(self, name: str) -> None:
+        self.held += 1
+        try:
+            await self.faults.wait_unheld(name)
+        finally:
+            self.held -= 1
 
     # --- scheduling -------------------------------------------------------------------------
 

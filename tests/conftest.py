@@ -48,7 +48,8 @@ class Servers:
 
     def stop(self) -> None:
         for server in reversed(self.running):  # all shut down at once: one teardown, not one per server
-            server.server.should_exit = True
+            if isinstance(server, ServerThread):  # (tests may add other things with a stop())
+                server.server.should_exit = True
         for server in reversed(self.running):
             server.stop()
 

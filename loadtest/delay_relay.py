@@ -86,12 +86,20 @@ class DelayRelay:
         ready = threading.Event()
         self._loop = asyncio.new_event_loop()
 
+        loop = self._loop
+
         def run() -> None:
-            asyncio.set_event_loop(self._loop)
+            asyncio.set_event_loop(loop)
             try:
-                self._loop.run_until_complete(self._serve(ready))
+                loop.run_until_complete(self._serve(ready))
             except asyncio.CancelledError:
                 pass
+            finally:
+                pending = asyncio.all_tasks(loop)
+                for task in pending:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                loop.close()
 
         self._thread = threading.Thread(target=run, name="delay-relay", daemon=True)
         self._thread.start()

@@ -8,8 +8,15 @@ contender), so drift of a shared 2-core machine hits all of them alike; the tabl
 median over rounds. A cell with any socket error or non-2xx answer is flagged '!' and gets
 no ratio: a contender that errors must not look fast.
 
+`proxy` is the production configuration: the default policy (prefix_affinity), shared state in
+Redis (a private redis-server, loadtest/private_redis.py), metrics on, the access log at its
+default (on). Beside it: `proxy-affinity` (prefix_affinity, no Redis), `proxy-lab`
+(least_loaded, no Redis) and `proxy-slow-redis` (production, with Redis behind a relay adding
+`--redis-delay-ms` each way, loadtest/delay_relay.py: what a slow Redis costs a request).
+
     python -m loadtest.overhead                        # all contenders found, 3 rounds x 10 s
     python -m loadtest.overhead --duration 5 --only direct,proxy,vllm-router
+    python -m loadtest.overhead --only direct,proxy,proxy-slow-redis,vllm-router --redis-delay-ms 100
 """
 from __future__ import annotations
 
@@ -28,12 +35,16 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtest.private_redis import PrivateRedis
 from loadtest.procs import Proc, spawn, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 LUA = Path(__file__).with_name("wrk_chat.lua")
 HOST = "127.0.0.1"
-CONTENDERS = ["direct", "passthrough", "proxy", "vllm-router", "sglang-router"]
+# proxy variants: (policy, Redis: None | "direct" | "slow")
+PROXIES = {"proxy": ("prefix_affinity", "direct"), "proxy-affinity": ("prefix_affinity", None),
+           "proxy-lab": ("least_loaded", None), "proxy-slow-redis": ("prefix_affinity", "slow")}
+CONTENDERS = ["direct", "passthrough", *PROXIES, "vllm-router", "sglang-router"]
 # name, streaming, connections
 SCENARIOS = [("plain_c1", False, 1), ("plain_c32", False, 32), ("stream_c16", True, 16)]
 # fast: a raw-protocol fake (~150 k RPS, isolates the forwarder's own cost); asgi: a uvicorn fake
@@ -64,6 +75,8 @@ class Bench:
         self.procs: list[Proc] = []
         self.server_cpu = ["taskset", "-c", "1"] if args.taskset else []
         self.wrk_cpu = ["taskset", "-c", "0"] if args.taskset else []
+        self.redis: PrivateRedis | None = None
+        self.relay_port = 0
 
     # --- processes -------------------------------------------------------------------------
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> Proc:
@@ -82,6 +95,24 @@ class Bench:
         self.wait_ready(proc, url + "/health")
         return url
 
+    def redis_url(self, kind: str) -> str:
+        """The private Redis, directly or through the delaying relay (each started once)."""
+        if self.redis is None:
+            self.redis = PrivateRedis().start()
+        if kind == "direct":
+            return self.redis.url
+        if not self.relay_port:
+            self.relay_port = free_port()
+            delay = getattr(self.args, "redis_delay_ms", 100.0)
+            proc = self.spawn("relay", [sys.executable, "-m", "loadtest.delay_relay", "--port", str(self.relay_port),
+                                        "--target", f"{HOST}:{self.redis.port}", "--delay-ms", str(delay)])
+            deadline = time.monotonic() + 30
+            while "relaying" not in proc.log.read_text(errors="replace"):
+                if proc.popen.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"delay relay did not start: {proc.tail()}")
+                time.sleep(0.05)
+        return f"redis://{HOST}:{self.relay_port}/0"
+
     def start(self, name: str, backend: str) -> Contender:
         """Start one contender in front of `backend`; raise with a reason if it cannot run."""
         port = free_port()
@@ -93,15 +124,20 @@ class Bench:
         if name == "passthrough":
             cmd = [sys.executable, "-m", "loadtest.passthrough", "--port", str(port), "--upstream", backend]
             ready = "/health"
-        elif name == "proxy":
+        elif name in PROXIES:
             exe = Path(sys.executable).with_name("vllm-proxy")
             if not exe.exists():
                 raise RuntimeError(f"{exe} not found (pip install -e . in the project venv)")
-            cfg = self.tmp / "proxy.yaml"
-            cfg.write_text(f"server: {{host: {HOST}, port: {port}}}\nbackends:\n"
-                           f'  - {{name: b0, url: "{backend}", models: [bench-model]}}\n'
-                           "routing: {policy: least_loaded}\n"
-                           f"logging: {{access_log: {'true' if self.args.access_log else 'false'}}}\n")
+            policy, redis_kind = PROXIES[name]
+            cfg = self.tmp / f"{name}.yaml"
+            text = (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n"
+                    f'  - {{name: b0, url: "{backend}", models: [bench-model]}}\n'
+                    f"routing: {{policy: {policy}}}\n")
+            if redis_kind:
+                text += f'redis: {{url: "{self.redis_url(redis_kind)}"}}\n'
+            if not self.args.access_log:
+                text += "logging: {access_log: false}\n"
+            cfg.write_text(text)
             cmd = [str(exe), "serve", "--config", str(cfg), "--port", str(port)]
             if self.args.proxy_workers:
                 cmd += ["--workers", str(self.args.proxy_workers)]
@@ -180,6 +216,8 @@ class Bench:
     def close(self) -> None:
         for p in reversed(self.procs):
             p.stop()
+        if self.redis is not None:
+            self.redis.stop()
 
 
 # --- report --------------------------------------------------------------------------------
@@ -236,9 +274,11 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(CONTENDERS), help=f"comma list from {','.join(CONTENDERS)}")
     ap.add_argument("--peers-venv", default="/tmp/peers-venv", help="venv holding vllm-router / sglang-router")
     ap.add_argument("--peer-policy", default="round_robin", help="--policy passed to the peer routers")
-    ap.add_argument("--access-log", action="store_true",
-                    help="keep the proxy's per-request access log on (off by default: the peers run with "
-                         "--log-level warning, which logs no requests either)")
+    ap.add_argument("--no-access-log", dest="access_log", action="store_false",
+                    help="switch the proxy's per-request access log off (on by default, as in production; "
+                         "the peers run with --log-level warning, which logs no requests)")
+    ap.add_argument("--redis-delay-ms", type=float, default=100.0,
+                    help="delay added each way between proxy-slow-redis and its Redis (default 100)")
     ap.add_argument("--proxy-workers", type=int, default=0, help="pass --workers N to vllm-proxy serve")
     ap.add_argument("--backend", choices=sorted(BACKENDS), default="fast",
                     help="fake vLLM behind every contender: fast (raw protocol) or asgi (uvicorn)")
@@ -258,6 +298,7 @@ def main() -> None:
     print(f"\nforwarding overhead: backend {args.backend}, {args.rounds} rounds x {args.duration:g} s, wrk -t1, "
           f"taskset={'on' if args.taskset else 'off'}, peers --policy {args.peer_policy}, "
           f"proxy workers {args.proxy_workers or 'default'}, access log {'on' if args.access_log else 'off'}, "
+          f"slow Redis +{args.redis_delay_ms:g} ms each way, "
           f"took {time.monotonic() - started:.0f} s")
     print(table(summaries))
     for name, why in bench.skipped.items():

@@ -202,6 +202,7 @@ class SharedState:
         self._wake = asyncio.Event()
         self._cursor = "0-0"  # last stream entry applied
         self._cursor_key = (0, 0)
+        self._last_sent = (0, 0)  # id of the stream's last entry when this proxy's last flush ran
         self._reading = asyncio.Event()  # set while the cursor is valid (after a resync)
         self.adopted = 0  # placements changed by another proxy's entry or a lost race
         self._loops = (Background(), Background(), Background())
@@ -423,9 +424,11 @@ class SharedState:
         for pin, (op, *rest) in ops:
             args += [op, f"{pin:016x}", str(len(rest)), *rest]
         answer = await asyncio.wait_for(self.client.eval(_FLUSH, 2, PINS_KEY, LOG_KEY, *args), self.io_timeout)
+        sent = stream_id(answer[0])
+        self._last_sent = max(self._last_sent, sent)
         # the reader applies everything up to its cursor in order; apply what is newer here, at
         # once (a lost placement race is corrected within one round trip)
-        if stream_id(answer[0]) > self._cursor_key:
+        if sent > self._cursor_key:
             for k in range(1, len(answer) - 1, 2):
                 self._adopt(int(answer[k], 16), answer[k + 1])
 

@@ -70,6 +70,8 @@ class DelayRelay:
         try:
             await asyncio.gather(self._pipe(client_reader, server_writer), self._pipe(server_reader, client_writer),
                                  return_exceptions=True)
+        except asyncio.CancelledError:  # the relay is stopping
+            pass
         finally:
             self._writers.discard(client_writer)
             self._writers.discard(server_writer)

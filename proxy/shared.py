@@ -163,15 +163,22 @@ class SharedState:
         # Redis (or network) does not trip; `timeout_s` scales it for configurations that set it.
         self.io_timeout = max(timeout_s * 20, 1.0)
         self.max_connections = max(4, max_connections)
+        quiet = {"decode_responses": True, "health_check_interval": 0}
         pool = redis.BlockingConnectionPool.from_url(
             url, max_connections=self.max_connections, timeout=self.io_timeout, socket_timeout=self.io_timeout,
-            socket_connect_timeout=self.io_timeout, decode_responses=True, health_check_interval=0,
+            socket_connect_timeout=self.io_timeout, **quiet,
         )
         self.client = redis.Redis(connection_pool=pool, retry=None)
+        # the flusher and the stream reader each keep a connection of their own, always open: a
+        # placement never waits for a pooled connection (or a new one) behind the load sync
+        self._flush_client = redis.Redis.from_url(
+            url, socket_timeout=self.io_timeout, socket_connect_timeout=self.io_timeout, retry=None,
+            single_connection_client=True, **quiet,
+        )
         self._read_block_ms = 1000
         self._reader_client = redis.Redis.from_url(  # XREAD BLOCK holds its connection
             url, socket_timeout=self.io_timeout + self._read_block_ms / 1000, socket_connect_timeout=self.io_timeout,
-            decode_responses=True, health_check_interval=0, retry=None, single_connection_client=True,
+            retry=None, single_connection_client=True, **quiet,
         )
         self.ttl = int(ttl_s)
         self.timeout = timeout_s
@@ -331,8 +338,8 @@ class SharedState:
             await asyncio.wait_for(self.client.hdel(TENANTS_KEY, self.proxy_id), self.io_timeout)
         except Exception:
             pass
-        await self.client.aclose()
-        await self._reader_client.aclose()
+        for client in (self.client, self._flush_client, self._reader_client):
+            await client.aclose()
 
     async def _run(self) -> None:
         """Connect (and reconnect): republish and resync; then the load view every interval."""
@@ -349,10 +356,12 @@ class SharedState:
                 raise
             except Exception as exc:
                 self._down(exc)
-                try:  # drop every pooled socket: after a Redis restart each stale one would fail once more
-                    await self.client.connection_pool.disconnect()
-                except Exception:
-                    pass
+                # drop every socket: after a Redis restart each stale one would fail once more
+                for client in (self.client, self._flush_client):
+                    try:
+                        await client.connection_pool.disconnect()
+                    except Exception:
+                        pass
             await asyncio.sleep(self.sync_interval if self.up else 1.0)
 
     async def _join(self) -> None:
@@ -361,6 +370,9 @@ class SharedState:
         of every proxy re-placing every tenant from scratch: cold caches), read the table, and
         follow the stream from the noted end (so nothing written meanwhile is missed). The first
         join reads the stream's retained past instead: the index entries of recent conversations."""
+        # open the flusher's and the reader's connections now (over a slow link a new connection
+        # costs round trips of its own), the first two commands side by side
+        await asyncio.wait_for(asyncio.gather(self._flush_client.ping(), self._reader_client.ping()), self.io_timeout)
         last = await asyncio.wait_for(self.client.xrevrange(LOG_KEY, count=1), self.io_timeout)
         cursor = last[0][0] if last and self.mirrored else "0-0"
         await self._republish()
@@ -423,7 +435,7 @@ class SharedState:
         args: list[str] = [self.proxy_id, f"{time.time():.0f}", str(_LOG_MAXLEN), index, str(_PLACE_COUNTED)]
         for pin, (op, *rest) in ops:
             args += [op, f"{pin:016x}", str(len(rest)), *rest]
-        answer = await asyncio.wait_for(self.client.eval(_FLUSH, 2, PINS_KEY, LOG_KEY, *args), self.io_timeout)
+        answer = await asyncio.wait_for(self._flush_client.eval(_FLUSH, 2, PINS_KEY, LOG_KEY, *args), self.io_timeout)
         sent = stream_id(answer[0])
         self._last_sent = max(self._last_sent, sent)
         # the reader applies everything up to its cursor in order; apply what is newer here, at
@@ -456,12 +468,16 @@ class SharedState:
     def _apply(self, fields: dict[str, str]) -> None:
         """One stream entry: index entries of another proxy, and placements now in force."""
         try:
-            if fields.get("p") != self.proxy_id and fields.get("i"):
-                owner = self.owner
+            if fields.get("i"):
+                # this proxy's own entries too: every mirror applies writes in the stream's order,
+                # so two proxies writing one block agree on the last writer (except over a write
+                # still queued here, which comes later)
+                owner, pending = self.owner, self._pending
                 for backend, hashes in orjson.loads(fields["i"]).items():
                     for h in hashes:
-                        owner[h] = backend
-                        owner.move_to_end(h)
+                        if h not in pending:
+                            owner[h] = backend
+                            owner.move_to_end(h)
                 while len(owner) > self.mirror_blocks:
                     owner.popitem(last=False)
             if fields.get("t"):

@@ -54,6 +54,23 @@ CHAT = {"model": "bench-model", "max_tokens": 16,
         "messages": [{"role": "user", "content": "Say hello in one short sentence."}]}
 
 
+def cpu_seconds(pgid: int) -> float:
+    """CPU time (user + system) used so far by every process of a process group: a contender's
+    cost per request that, unlike its throughput, hardly depends on what else the machine runs."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -177,14 +194,17 @@ class Bench:
     def wrk(self, c: Contender, stream: bool, conns: int, duration: int) -> dict:
         cmd = self.wrk_cpu + ["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "--latency", "--timeout", "5s",
                               "-s", str(LUA), f"http://{HOST}:{c.port}"]
+        cpu0 = cpu_seconds(c.proc.popen.pid) if c.proc else 0.0
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "STREAM": "1" if stream else "0"},
                              timeout=duration + 30)
+        cpu = cpu_seconds(c.proc.popen.pid) - cpu0 if c.proc else 0.0
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("WRKJSON ")), None)
         if line is None:
             raise RuntimeError(f"wrk printed no result: {out.stdout[-500:]} {out.stderr[-500:]}")
         r = json.loads(line[len("WRKJSON "):])
         # Error events, not failed requests: a 500 that also closes the socket counts twice.
         r["errors"] = r["non2xx"] + sum(r[k] for k in ("err_connect", "err_read", "err_write", "err_timeout"))
+        r["cpu_us"] = cpu / max(r["requests"], 1) * 1e6 if c.proc else 0.0
         return r
 
     def run(self) -> list[Contender]:
@@ -208,8 +228,8 @@ class Bench:
                     r = self.wrk(c, stream, conns, self.args.duration)
                     c.results.setdefault(scen, []).append(r)
                     flag = f" ERRORS={r['errors']}" if r["errors"] else ""
-                    print(f"round {rnd + 1} {scen:10} {c.name:14} {r['rps']:9.0f} rps  p50 {r['p50_ms']:.3f} ms"
-                          f"  p99 {r['p99_ms']:.3f} ms{flag}", file=sys.stderr, flush=True)
+                    print(f"round {rnd + 1} {scen:10} {c.name:16} {r['rps']:9.0f} rps  p50 {r['p50_ms']:.3f} ms"
+                          f"  p99 {r['p99_ms']:.3f} ms  cpu {r['cpu_us']:.0f} µs/req{flag}", file=sys.stderr, flush=True)
         self.skipped = skipped
         return contenders
 
@@ -225,7 +245,7 @@ def summarize(c: Contender) -> dict:
     """Median over rounds per scenario; errors are summed, never averaged away."""
     out = {}
     for scen, runs in c.results.items():
-        out[scen] = {k: statistics.median(r[k] for r in runs) for k in ("rps", "p50_ms", "p99_ms")}
+        out[scen] = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in ("rps", "p50_ms", "p99_ms", "cpu_us")}
         out[scen]["errors"] = sum(r["errors"] for r in runs)
         out[scen]["rps_runs"] = [round(r["rps"]) for r in runs]
     return out
@@ -242,14 +262,15 @@ def table(summaries: dict[str, dict]) -> str:
         return f"{s['rps'] / 1000:.2f}k{ratio}"
 
     head = ["contender", "c=1 p50 ms", "c=1 p99 ms", "added p50 c=1 ms", "c=32 RPS (x direct)", "c=32 p50/p99 ms",
-            "stream c=16 RPS (x direct)", "stream p50/p99 ms"]
+            "stream c=16 RPS (x direct)", "stream p50/p99 ms", "CPU µs/req c=32 / stream"]
     rows = [head]
     for name, s in summaries.items():
         p1, p32, st = s["plain_c1"], s["plain_c32"], s["stream_c16"]
         added = f"{p1['p50_ms'] - d['plain_c1']['p50_ms']:+.3f}" if d else "-"
         rows.append([name + (" !" if p1["errors"] else ""), f"{p1['p50_ms']:.3f}", f"{p1['p99_ms']:.3f}", added,
                      rps(name, "plain_c32"), f"{p32['p50_ms']:.2f} / {p32['p99_ms']:.2f}",
-                     rps(name, "stream_c16"), f"{st['p50_ms']:.2f} / {st['p99_ms']:.2f}"])
+                     rps(name, "stream_c16"), f"{st['p50_ms']:.2f} / {st['p99_ms']:.2f}",
+                     f"{p32['cpu_us']:.0f} / {st['cpu_us']:.0f}" if p32["cpu_us"] else "-"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

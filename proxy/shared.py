@@ -47,7 +47,7 @@ _TENANTS_EVERY_S = 1.0  # how often a proxy publishes them
 _TENANTS_TOP = 2048  # tenants per proxy published (the planner moves the ones that carry traffic)
 PINS_KEY = "vp:pins"  # field: pin key (hex) -> "replica,replica,...|unix time of the last write"
 LOG_KEY = "vp:log"  # stream of changes: p = proxy id, i = index entries, t = placements changed
-_LOG_MAXLEN = 10000  # entries kept (about one per proxy and flush with something to say)
+_LOG_MAXLEN = 2000  # entries kept (at most one per proxy and flush): the recent past, bounded memory
 _READ_COUNT = 500  # stream entries per read
 _OPS_BATCH = 500  # placement operations per script call
 _MIRROR_BLOCKS = 262144  # prefix entries mirrored (an LRU): enough for every replica's cache

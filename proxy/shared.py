@@ -330,16 +330,20 @@ class SharedState:
     async def stop(self) -> None:
         for loop in self._loops:
             await loop.stop()
-        try:
+        try:  # last writes and our entries out of the load view, side by side and bounded
+            last = [self.client.hdel(LOAD_KEY, *[f"{self.proxy_id}|{b}" for b in self.local_load()] or ["-"]),
+                    self.client.hdel(TENANTS_KEY, self.proxy_id)]
             if self.up and (self._ops or self._pending):
-                await self.flush()
-            await asyncio.wait_for(self.client.hdel(LOAD_KEY, *[f"{self.proxy_id}|{b}" for b in self.local_load()]),
-                                   self.io_timeout)
-            await asyncio.wait_for(self.client.hdel(TENANTS_KEY, self.proxy_id), self.io_timeout)
+                last.append(self.flush())
+            await asyncio.wait_for(asyncio.gather(*last, return_exceptions=True), self.io_timeout)
         except Exception:
             pass
-        for client in (self.client, self._flush_client, self._reader_client):
-            await client.aclose()
+        finally:  # also when the shutdown is cancelled: no socket left for the garbage collector
+            for client in (self.client, self._flush_client, self._reader_client):
+                try:
+                    await client.aclose()
+                except Exception:
+                    pass
 
     async def _run(self) -> None:
         """Connect (and reconnect): republish and resync; then the load view every interval."""

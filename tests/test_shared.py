@@ -188,40 +188,46 @@ def test_a_placement_change_reaches_every_mirror_and_queued_writes_win(redis_url
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("delay_s", [0.1])
-def test_a_slow_redis_adds_nothing_to_a_request(servers: Servers, private_redis: PrivateRedis, redis_url: str,
-                                               delay_s: float) -> None:
+@pytest.fixture
+def slow_redis(private_redis: PrivateRedis, redis_url: str):
+    """The suite's Redis behind a relay adding 100 ms each way (requested before `servers`, so
+    it outlives the proxies using it)."""
+    with DelayRelay("127.0.0.1", private_redis.port, 0.1) as relay:
+        yield relay
+
+
+def test_a_slow_redis_adds_nothing_to_a_request(slow_redis: DelayRelay, servers: Servers) -> None:
     """Two proxies share state through a relay adding 100 ms each way: no request fails, a
     request takes no longer than through a proxy without Redis (any round trip on the request
     path would add 200 ms), and a conversation started on one proxy continues on the other."""
     sims = [servers.sim() for _ in range(3)]
-    with DelayRelay("127.0.0.1", private_redis.port, delay_s) as relay:
-        config = {"redis": {"url": relay.url}, "routing": {"prefix_affinity": {"block_chars": 64, "load_slack": 100}}}
-        a, b = servers.proxy_for(*sims, **config), servers.proxy_for(*sims, **config)
-        plain = servers.proxy_for(*sims, routing={"prefix_affinity": {"block_chars": 64, "load_slack": 100}})
-        states = [p.server.config.app.runtime.shared for p in (a, b)]
-        assert eventually(lambda: all(s.up and s.mirrored for s in states), timeout=30)
-        with httpx.Client(timeout=30) as client:
-            def timed(proxy, i: int) -> tuple[float, httpx.Response]:
-                body = {"model": MODEL, "max_tokens": 2,
-                        "messages": [{"role": "system", "content": tenant(i % 3)}, {"role": "user", "content": f"q{i} " * 30}]}
-                t = time.perf_counter()
-                resp = client.post(proxy.url + "/v1/chat/completions", json=body)
-                return time.perf_counter() - t, resp
+    relay, delay_s = slow_redis, slow_redis.delay
+    config = {"redis": {"url": relay.url}, "routing": {"prefix_affinity": {"block_chars": 64, "load_slack": 100}}}
+    a, b = servers.proxy_for(*sims, **config), servers.proxy_for(*sims, **config)
+    plain = servers.proxy_for(*sims, routing={"prefix_affinity": {"block_chars": 64, "load_slack": 100}})
+    states = [p.server.config.app.runtime.shared for p in (a, b)]
+    assert eventually(lambda: all(s.up and s.mirrored for s in states), timeout=30)
+    with httpx.Client(timeout=30) as client:
+        def timed(proxy, i: int) -> tuple[float, httpx.Response]:
+            body = {"model": MODEL, "max_tokens": 2,
+                    "messages": [{"role": "system", "content": tenant(i % 3)}, {"role": "user", "content": f"q{i} " * 30}]}
+            t = time.perf_counter()
+            resp = client.post(proxy.url + "/v1/chat/completions", json=body)
+            return time.perf_counter() - t, resp
 
-            slow, fast = [], []
-            for i in range(30):
-                for proxy, out in ((a, slow), (plain, fast)):
-                    elapsed, resp = timed(proxy, i)
-                    assert resp.status_code == 200
-                    out.append(elapsed)
-            assert statistics.median(slow) < statistics.median(fast) + delay_s, (slow, fast)
-            # a conversation through a, continued through b once b's mirror shows a's entries
-            first = [{"role": "system", "content": tenant(7)}, {"role": "user", "content": "first question " * 8}]
-            resp = client.post(a.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": first})
-            home = resp.headers["x-vllm-proxy-backend"]
-            chain = prefix_key(True, {"messages": first}, MODEL, 64, 64).chain
-            assert eventually(lambda: states[1].longest(chain) == (len(chain), home), timeout=30)
-            more = first + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then? " * 8}]
-            resp = client.post(b.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": more})
-            assert resp.headers["x-vllm-proxy-backend"] == home and resp.headers["x-vllm-proxy-route"] == "prefix-hit"
+        slow, fast = [], []
+        for i in range(30):
+            for proxy, out in ((a, slow), (plain, fast)):
+                elapsed, resp = timed(proxy, i)
+                assert resp.status_code == 200
+                out.append(elapsed)
+        assert statistics.median(slow) < statistics.median(fast) + delay_s, (slow, fast)
+        # a conversation through a, continued through b once b's mirror shows a's entries
+        first = [{"role": "system", "content": tenant(7)}, {"role": "user", "content": "first question " * 8}]
+        resp = client.post(a.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": first})
+        home = resp.headers["x-vllm-proxy-backend"]
+        chain = prefix_key(True, {"messages": first}, MODEL, 64, 64).chain
+        assert eventually(lambda: states[1].longest(chain) == (len(chain), home), timeout=30)
+        more = first + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then? " * 8}]
+        resp = client.post(b.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": more})
+        assert resp.headers["x-vllm-proxy-backend"] == home and resp.headers["x-vllm-proxy-route"] == "prefix-hit"

@@ -339,11 +339,15 @@ class SharedState:
         except Exception:
             pass
         finally:  # also when the shutdown is cancelled: no socket left for the garbage collector
-            for client in (self.client, self._flush_client, self._reader_client):
-                try:
-                    await client.aclose()
-                except Exception:
-                    pass
+            await self.close()
+
+    async def close(self) -> None:
+        """Close every connection (stop does; so do tests that never started the loops)."""
+        for client in (self.client, self._flush_client, self._reader_client):
+            try:
+                await client.aclose()
+            except Exception:
+                pass
 
     async def _run(self) -> None:
         """Connect (and reconnect): republish and resync; then the load view every interval."""

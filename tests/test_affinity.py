@@ -249,8 +249,8 @@ def test_shared_growth_is_compare_and_set(redis_db, redis_url) -> None:
             assert a.pins[42][0] == b.pins[42][0] and len(a.pins[42][0]) == 2
             assert await a.lease("t", 5) and not await b.lease("t", 5) and await a.lease("t", 5)  # held, renewed
         finally:
-            await a.client.aclose()
-            await b.client.aclose()
+            await a.close()
+            await b.close()
 
     asyncio.run(scenario())
 
@@ -277,8 +277,8 @@ def test_packing_repair_sees_every_proxys_tenant_counts(redis_db, redis_url) -> 
             share = policy._fleet_share(now, (rates, total))
             assert share(7) == pytest.approx(0.6, rel=0.02) and share(8) == pytest.approx(0.4, rel=0.02)
         finally:
-            await a.client.aclose()
-            await b.client.aclose()
+            await a.close()
+            await b.close()
 
     asyncio.run(scenario())
 
@@ -295,7 +295,7 @@ def test_placements_survive_a_redis_restart(redis_db, redis_url) -> None:
             redis_db.hset(PINS_KEY, f"{7:016x}", format_pin(("gpu-2",), time.time()))  # written meanwhile
             await a._republish()
         finally:
-            await a.client.aclose()
+            await a.close()
 
     asyncio.run(scenario())
     table = {int(k, 16): parse_pin(v.decode())[0] for k, v in redis_db.hgetall(PINS_KEY).items()}

@@ -181,9 +181,8 @@ def test_a_placement_change_reaches_every_mirror_and_queued_writes_win(redis_url
             assert b.pins[9][0] == ("gpu-3",)
             b._reader_task.cancel()
         finally:
-            await a.client.aclose()
-            await b.client.aclose()
-            await b._reader_client.aclose()
+            await a.close()
+            await b.close()
 
     asyncio.run(scenario())
 

@@ -55,7 +55,8 @@ def requests(count: int, tenants: int = 200) -> list:
 
 def short_requests(count: int) -> list:
     """The overhead benchmark's request (loadtest/wrk_chat.lua): one short user message."""
-    body = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "Say hello in one short sentence."}]}
+    body = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                                                         {"role": "user", "content": "Say hello in one short sentence."}]}
     return [parse_request(CHAT, orjson.dumps(body)) for _ in range(count)]
 
 

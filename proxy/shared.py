@@ -13,7 +13,9 @@ changes it (`place`, `grow`, `set_pin`, `remember`), synchronously. Behind it:
   arrives (milliseconds), and a proxy that lost a placement race adopts the winner from its own
   script's answer. A stream rather than pub/sub: the log is ordered with the table writes (one
   script does both), a proxy that joins reads the recent past (conversations started before
-  it), and a short disconnect resumes from its cursor instead of losing messages;
+  it), and a short disconnect resumes from its cursor instead of losing messages; measured
+  (`python -m loadtest.shared_delivery`), a change reaches a follower in ~0.3 ms against ~0.2 ms
+  for pub/sub, both far below the flush interval;
 - a **sync** loop publishes this proxy's per-replica in-flight counts, smoothed routed counts
   and busiest tenants a few times a second, and reads everyone else's.
 

@@ -215,6 +215,8 @@ class SharedState:
         self._reading = asyncio.Event()  # set while the cursor is valid (after a resync)
         self.adopted = 0  # placements changed by another proxy's entry or a lost race
         self._loops = (Background(), Background(), Background())
+        # the loops also end on this flag: on Python < 3.12 wait_for can swallow a cancellation
+        self._closing = False
 
     # -- request path: the mirror only, never a network call ------------------------------------
     def longest(self, chain: Sequence[int]) -> tuple[int, str | None] | None:
@@ -330,6 +332,8 @@ class SharedState:
         read.start(self._reader())
 
     async def stop(self) -> None:
+        self._closing = True
+        self._wake.set()
         for loop in self._loops:
             await loop.stop()
         try:  # last writes and our entries out of the load view, side by side and bounded
@@ -354,7 +358,7 @@ class SharedState:
     async def _run(self) -> None:
         """Connect (and reconnect): republish and resync; then the load view every interval."""
         expire_at = 0.0
-        while True:
+        while not self._closing:
             try:
                 if not self.up:
                     await self._join()
@@ -409,13 +413,13 @@ class SharedState:
 
     async def _flusher(self) -> None:
         """Send queued changes: placement operations at once, index entries every sync interval."""
-        while True:
+        while not self._closing:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.sync_interval)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
-            if not self.up:
+            if not self.up or self._closing:
                 continue
             try:
                 await self.flush()
@@ -456,7 +460,7 @@ class SharedState:
 
     async def _reader(self) -> None:
         """Follow the change stream: the other proxies' index entries and every placement change."""
-        while True:
+        while not self._closing:
             await self._reading.wait()
             try:
                 found = await self._reader_client.xread({LOG_KEY: self._cursor}, count=_READ_COUNT,

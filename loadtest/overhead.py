@@ -8,8 +8,15 @@ contender), so drift of a shared 2-core machine hits all of them alike; the tabl
 median over rounds. A cell with any socket error or non-2xx answer is flagged '!' and gets
 no ratio: a contender that errors must not look fast.
 
+`proxy` is the production configuration: the default policy (prefix_affinity), shared state in
+Redis (a private redis-server, loadtest/private_redis.py), metrics on, the access log at its
+default (on). Beside it: `proxy-affinity` (prefix_affinity, no Redis), `proxy-lab`
+(least_loaded, no Redis) and `proxy-slow-redis` (production, with Redis behind a relay adding
+`--redis-delay-ms` each way, loadtest/delay_relay.py: what a slow Redis costs a request).
+
     python -m loadtest.overhead                        # all contenders found, 3 rounds x 10 s
     python -m loadtest.overhead --duration 5 --only direct,proxy,vllm-router
+    python -m loadtest.overhead --only direct,proxy,proxy-slow-redis,vllm-router --redis-delay-ms 100
 """
 from __future__ import annotations
 
@@ -28,12 +35,16 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtest.private_redis import PrivateRedis
 from loadtest.procs import Proc, spawn, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 LUA = Path(__file__).with_name("wrk_chat.lua")
 HOST = "127.0.0.1"
-CONTENDERS = ["direct", "passthrough", "proxy", "vllm-router", "sglang-router"]
+# proxy variants: (policy, Redis: None | "direct" | "slow")
+PROXIES = {"proxy": ("prefix_affinity", "direct"), "proxy-affinity": ("prefix_affinity", None),
+           "proxy-lab": ("least_loaded", None), "proxy-slow-redis": ("prefix_affinity", "slow")}
+CONTENDERS = ["direct", "passthrough", *PROXIES, "vllm-router", "sglang-router"]
 # name, streaming, connections
 SCENARIOS = [("plain_c1", False, 1), ("plain_c32", False, 32), ("stream_c16", True, 16)]
 # fast: a raw-protocol fake (~150 k RPS, isolates the forwarder's own cost); asgi: a uvicorn fake
@@ -41,6 +52,23 @@ SCENARIOS = [("plain_c1", False, 1), ("plain_c32", False, 32), ("stream_c16", Tr
 BACKENDS = {"fast": "loadtest.fast_backend", "asgi": "loadtest.asgi_backend"}
 CHAT = {"model": "bench-model", "max_tokens": 16,
         "messages": [{"role": "user", "content": "Say hello in one short sentence."}]}
+
+
+def cpu_seconds(pgid: int) -> float:
+    """CPU time (user + system) used so far by every process of a process group: a contender's
+    cost per request that, unlike its throughput, hardly depends on what else the machine runs."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -64,6 +92,8 @@ class Bench:
         self.procs: list[Proc] = []
         self.server_cpu = ["taskset", "-c", "1"] if args.taskset else []
         self.wrk_cpu = ["taskset", "-c", "0"] if args.taskset else []
+        self.redis: PrivateRedis | None = None
+        self.relay_port = 0
 
     # --- processes -------------------------------------------------------------------------
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> Proc:
@@ -82,6 +112,24 @@ class Bench:
         self.wait_ready(proc, url + "/health")
         return url
 
+    def redis_url(self, kind: str) -> str:
+        """The private Redis, directly or through the delaying relay (each started once)."""
+        if self.redis is None:
+            self.redis = PrivateRedis().start()
+        if kind == "direct":
+            return self.redis.url
+        if not self.relay_port:
+            self.relay_port = free_port()
+            delay = getattr(self.args, "redis_delay_ms", 100.0)
+            proc = self.spawn("relay", [sys.executable, "-m", "loadtest.delay_relay", "--port", str(self.relay_port),
+                                        "--target", f"{HOST}:{self.redis.port}", "--delay-ms", str(delay)])
+            deadline = time.monotonic() + 30
+            while "relaying" not in proc.log.read_text(errors="replace"):
+                if proc.popen.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"delay relay did not start: {proc.tail()}")
+                time.sleep(0.05)
+        return f"redis://{HOST}:{self.relay_port}/0"
+
     def start(self, name: str, backend: str) -> Contender:
         """Start one contender in front of `backend`; raise with a reason if it cannot run."""
         port = free_port()
@@ -93,15 +141,20 @@ class Bench:
         if name == "passthrough":
             cmd = [sys.executable, "-m", "loadtest.passthrough", "--port", str(port), "--upstream", backend]
             ready = "/health"
-        elif name == "proxy":
+        elif name in PROXIES:
             exe = Path(sys.executable).with_name("vllm-proxy")
             if not exe.exists():
                 raise RuntimeError(f"{exe} not found (pip install -e . in the project venv)")
-            cfg = self.tmp / "proxy.yaml"
-            cfg.write_text(f"server: {{host: {HOST}, port: {port}}}\nbackends:\n"
-                           f'  - {{name: b0, url: "{backend}", models: [bench-model]}}\n'
-                           "routing: {policy: least_loaded}\n"
-                           f"logging: {{access_log: {'true' if self.args.access_log else 'false'}}}\n")
+            policy, redis_kind = PROXIES[name]
+            cfg = self.tmp / f"{name}.yaml"
+            text = (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n"
+                    f'  - {{name: b0, url: "{backend}", models: [bench-model]}}\n'
+                    f"routing: {{policy: {policy}}}\n")
+            if redis_kind:
+                text += f'redis: {{url: "{self.redis_url(redis_kind)}"}}\n'
+            if not self.args.access_log:
+                text += "logging: {access_log: false}\n"
+            cfg.write_text(text)
             cmd = [str(exe), "serve", "--config", str(cfg), "--port", str(port)]
             if self.args.proxy_workers:
                 cmd += ["--workers", str(self.args.proxy_workers)]
@@ -141,14 +194,17 @@ class Bench:
     def wrk(self, c: Contender, stream: bool, conns: int, duration: int) -> dict:
         cmd = self.wrk_cpu + ["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "--latency", "--timeout", "5s",
                               "-s", str(LUA), f"http://{HOST}:{c.port}"]
+        cpu0 = cpu_seconds(c.proc.popen.pid) if c.proc else 0.0
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "STREAM": "1" if stream else "0"},
                              timeout=duration + 30)
+        cpu = cpu_seconds(c.proc.popen.pid) - cpu0 if c.proc else 0.0
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("WRKJSON ")), None)
         if line is None:
             raise RuntimeError(f"wrk printed no result: {out.stdout[-500:]} {out.stderr[-500:]}")
         r = json.loads(line[len("WRKJSON "):])
         # Error events, not failed requests: a 500 that also closes the socket counts twice.
         r["errors"] = r["non2xx"] + sum(r[k] for k in ("err_connect", "err_read", "err_write", "err_timeout"))
+        r["cpu_us"] = cpu / max(r["requests"], 1) * 1e6 if c.proc else 0.0
         return r
 
     def run(self) -> list[Contender]:
@@ -172,14 +228,16 @@ class Bench:
                     r = self.wrk(c, stream, conns, self.args.duration)
                     c.results.setdefault(scen, []).append(r)
                     flag = f" ERRORS={r['errors']}" if r["errors"] else ""
-                    print(f"round {rnd + 1} {scen:10} {c.name:14} {r['rps']:9.0f} rps  p50 {r['p50_ms']:.3f} ms"
-                          f"  p99 {r['p99_ms']:.3f} ms{flag}", file=sys.stderr, flush=True)
+                    print(f"round {rnd + 1} {scen:10} {c.name:16} {r['rps']:9.0f} rps  p50 {r['p50_ms']:.3f} ms"
+                          f"  p99 {r['p99_ms']:.3f} ms  cpu {r['cpu_us']:.0f} µs/req{flag}", file=sys.stderr, flush=True)
         self.skipped = skipped
         return contenders
 
     def close(self) -> None:
         for p in reversed(self.procs):
             p.stop()
+        if self.redis is not None:
+            self.redis.stop()
 
 
 # --- report --------------------------------------------------------------------------------
@@ -187,7 +245,7 @@ def summarize(c: Contender) -> dict:
     """Median over rounds per scenario; errors are summed, never averaged away."""
     out = {}
     for scen, runs in c.results.items():
-        out[scen] = {k: statistics.median(r[k] for r in runs) for k in ("rps", "p50_ms", "p99_ms")}
+        out[scen] = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in ("rps", "p50_ms", "p99_ms", "cpu_us")}
         out[scen]["errors"] = sum(r["errors"] for r in runs)
         out[scen]["rps_runs"] = [round(r["rps"]) for r in runs]
     return out
@@ -204,14 +262,15 @@ def table(summaries: dict[str, dict]) -> str:
         return f"{s['rps'] / 1000:.2f}k{ratio}"
 
     head = ["contender", "c=1 p50 ms", "c=1 p99 ms", "added p50 c=1 ms", "c=32 RPS (x direct)", "c=32 p50/p99 ms",
-            "stream c=16 RPS (x direct)", "stream p50/p99 ms"]
+            "stream c=16 RPS (x direct)", "stream p50/p99 ms", "CPU µs/req c=32 / stream"]
     rows = [head]
     for name, s in summaries.items():
         p1, p32, st = s["plain_c1"], s["plain_c32"], s["stream_c16"]
         added = f"{p1['p50_ms'] - d['plain_c1']['p50_ms']:+.3f}" if d else "-"
         rows.append([name + (" !" if p1["errors"] else ""), f"{p1['p50_ms']:.3f}", f"{p1['p99_ms']:.3f}", added,
                      rps(name, "plain_c32"), f"{p32['p50_ms']:.2f} / {p32['p99_ms']:.2f}",
-                     rps(name, "stream_c16"), f"{st['p50_ms']:.2f} / {st['p99_ms']:.2f}"])
+                     rps(name, "stream_c16"), f"{st['p50_ms']:.2f} / {st['p99_ms']:.2f}",
+                     f"{p32['cpu_us']:.0f} / {st['cpu_us']:.0f}" if p32["cpu_us"] else "-"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -236,9 +295,11 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(CONTENDERS), help=f"comma list from {','.join(CONTENDERS)}")
     ap.add_argument("--peers-venv", default="/tmp/peers-venv", help="venv holding vllm-router / sglang-router")
     ap.add_argument("--peer-policy", default="round_robin", help="--policy passed to the peer routers")
-    ap.add_argument("--access-log", action="store_true",
-                    help="keep the proxy's per-request access log on (off by default: the peers run with "
-                         "--log-level warning, which logs no requests either)")
+    ap.add_argument("--no-access-log", dest="access_log", action="store_false",
+                    help="switch the proxy's per-request access log off (on by default, as in production; "
+                         "the peers run with --log-level warning, which logs no requests)")
+    ap.add_argument("--redis-delay-ms", type=float, default=100.0,
+                    help="delay added each way between proxy-slow-redis and its Redis (default 100)")
     ap.add_argument("--proxy-workers", type=int, default=0, help="pass --workers N to vllm-proxy serve")
     ap.add_argument("--backend", choices=sorted(BACKENDS), default="fast",
                     help="fake vLLM behind every contender: fast (raw protocol) or asgi (uvicorn)")
@@ -258,6 +319,7 @@ def main() -> None:
     print(f"\nforwarding overhead: backend {args.backend}, {args.rounds} rounds x {args.duration:g} s, wrk -t1, "
           f"taskset={'on' if args.taskset else 'off'}, peers --policy {args.peer_policy}, "
           f"proxy workers {args.proxy_workers or 'default'}, access log {'on' if args.access_log else 'off'}, "
+          f"slow Redis +{args.redis_delay_ms:g} ms each way, "
           f"took {time.monotonic() - started:.0f} s")
     print(table(summaries))
     for name, why in bench.skipped.items():

@@ -332,10 +332,13 @@ class RedisConfig(Strict):
     """Shared routing state for several proxy processes; optional."""
 
     url: str = "redis://127.0.0.1:6379/0"
-    timeout_s: float = Field(0.05, gt=0, description="per request-path call; slower means local mode")
+    timeout_s: float = Field(
+        0.05, gt=0, description="scales the background calls' timeout (20x, at least 1 s); no request waits on Redis"
+    )
     sync_interval_s: float = Field(0.1, gt=0, description="load view publish/read period")
     max_connections: int = Field(
-        16, ge=2, description="Redis connections per proxy process; requests finding all busy route on local state"
+        16, ge=2, description="Redis connections per proxy process for the background sync (plus one following the "
+        "change stream)"
     )
 
     @field_validator("url")

@@ -173,7 +173,7 @@ class PrefixAffinity:
         shared = self.shared
         match = None
         if shared is not None:
-            match = await shared.longest(key.chain)
+            match = shared.longest(key.chain)
         if match is None:
             match = self.index.longest(key.chain)
         now = time.time()
@@ -325,7 +325,7 @@ class PrefixAffinity:
             self._came_from[pin] = (old[0], now)
             if shared is None:
                 self._set(pin, new, now)
-            elif await shared.grow(pin, old, new) is not None:
+            elif shared.grow(pin, old, new) is not None:
                 self._changed[pin] = now
                 self._epoch += 1
 
@@ -385,7 +385,7 @@ class PrefixAffinity:
             return chosen, "pinned"
         if not shared.up:
             return self._rendezvous(candidates, pin, now)
-        members = await shared.place(pin, self._placing)
+        members = shared.place(pin, self._placing)
         if members is None:
             return self._rendezvous(candidates, pin, now)
         self._changed[pin] = now
@@ -399,7 +399,7 @@ class PrefixAffinity:
         """Grow the set through the shared table (compare-and-set): when another proxy changed it
         first, follow its set: its least-loaded member, or `chosen` if it is a member."""
         old, new = self._growing
-        members = await self.shared.grow(pin, old, new)  # type: ignore[union-attr]
+        members = self.shared.grow(pin, old, new)  # type: ignore[union-attr]
         self._changed[pin] = now
         self._epoch += 1
         if members == new:

@@ -1,0 +1,232 @@
+"""Shared routing state (proxy/shared.py): the request path reads a local mirror and never waits
+on Redis; placements are made locally and reconciled (first writer wins, the others adopt);
+prefix entries and placements reach the other proxies through the change stream; a slow Redis
+(a delaying relay, loadtest/delay_relay.py) or none at all adds nothing to a request."""
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from typing import Callable
+
+import httpx
+import pytest
+
+from loadtest.delay_relay import DelayRelay
+from loadtest.private_redis import PrivateRedis
+from proxy.config import AffinityConfig, BackendConfig
+from proxy.parse import CHAT, parse_request
+from proxy.prefix import prefix_key
+from proxy.routing.affinity import PrefixAffinity
+from proxy.routing.backends import Backend
+from proxy.routing.catalog import Route
+from proxy.shared import SharedState
+from tests.conftest import MODEL, Servers, eventually
+
+import orjson
+
+
+def fleet(n: int = 4) -> list[Backend]:
+    out = [Backend(BackendConfig(name=f"gpu-{i}", url=f"http://127.0.0.1:{9000 + i}", models=[MODEL])) for i in range(n)]
+    for b in out:
+        b.healthy = True
+    return out
+
+
+def chat(system: str, *turns: str):
+    messages = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return parse_request(CHAT, orjson.dumps({"model": MODEL, "messages": messages}))
+
+
+def run_now(coro):
+    """Run a coroutine that must finish without ever suspending (no I/O awaited)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise AssertionError("the routing decision waited on I/O")
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Yield to the event loop until `predicate` holds (generous timeout: a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+def tenant(i: int) -> str:
+    return f"You are assistant number {i}. " + "Answer carefully and briefly. " * 20
+
+
+def test_routing_never_waits_on_a_slow_or_absent_redis(redis_url: str, private_redis: PrivateRedis) -> None:
+    """Behind a relay adding 100 ms each way, a new tenant, a known one and a continuation are
+    routed without the decision awaiting anything; so they are with Redis gone."""
+    async def scenario() -> None:
+        with DelayRelay("127.0.0.1", private_redis.port, 0.1) as relay:
+            shared = SharedState(relay.url, local_load=dict)
+            policy = PrefixAffinity(AffinityConfig(block_chars=64), shared)
+            bs = fleet()
+            route = Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(bs))
+            shared.start()
+            try:
+                await until(lambda: shared.up and shared.mirrored)
+                first, why = run_now(policy.pick(bs, chat(tenant(1), "hello " * 30), route))
+                assert why == "pinned" and shared.pins  # placed locally at once
+                assert run_now(policy.pick(bs, chat(tenant(1), "other " * 30), route))[0] is first
+                follow = chat(tenant(1), "hello " * 30, "answer " * 20, "more " * 20)
+                assert run_now(policy.pick(bs, follow, route)) == (first, "prefix-hit")
+                # the write reaches Redis in the background, through the relay
+                await until(lambda: not shared._ops)
+                relay.stop()
+                await until(lambda: not shared.up)
+                assert run_now(policy.pick(bs, chat(tenant(1), "again " * 30), route))[0].name == first.name
+                assert run_now(policy.pick(bs, chat(tenant(2), "hi " * 30), route))[1] in ("pinned", "spill")
+            finally:
+                await shared.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_new_tenant_is_agreed_on_within_a_few_requests(redis_url: str) -> None:
+    """Two proxies that see different loads place one new tenant on different replicas at once;
+    the first write wins and the other adopts it without any request waiting. Counts the
+    requests routed before both agree (each proxy routes one request per event-loop turn)."""
+    async def scenario() -> None:
+        a_state, b_state = SharedState(redis_url, local_load=dict), SharedState(redis_url, local_load=dict)
+        config = AffinityConfig(block_chars=64, load_slack=100)
+        a, b = PrefixAffinity(config, a_state), PrefixAffinity(config, b_state)
+        fa, fb = fleet(), fleet()
+        now = time.time()
+        for i in range(4):  # a sees gpu-0 idle, b sees gpu-1 idle: they prefer different replicas
+            a.routed.add(f"gpu-{i}", now, 0.0 if i == 0 else 5.0 * a.routed.factor(now))
+            b.routed.add(f"gpu-{i}", now, 0.0 if i == 1 else 5.0 * b.routed.factor(now))
+        ra = Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(fa))
+        rb = Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(fb))
+        for s in (a_state, b_state):
+            s.start()
+        try:
+            await until(lambda: a_state.up and b_state.up and a_state.mirrored and b_state.mirrored)
+            first_a = run_now(a.pick(fa, chat(tenant(5), "q0 " * 30), ra))[0].name
+            first_b = run_now(b.pick(fb, chat(tenant(5), "q0 " * 30), rb))[0].name
+            assert first_a != first_b  # a real race
+            before = 2
+            for i in range(1, 2000):
+                pa = run_now(a.pick(fa, chat(tenant(5), f"q{i} " * 30), ra))[0].name
+                pb = run_now(b.pick(fb, chat(tenant(5), f"q{i} " * 30), rb))[0].name
+                if pa == pb:
+                    break
+                before += 2
+                await asyncio.sleep(0.001)
+            assert pa == pb and pa in (first_a, first_b)
+            pin = prefix_key(True, chat(tenant(5)).data, MODEL, 64, 64).pin
+            await until(lambda: a_state.pins[pin][0] == b_state.pins[pin][0])
+            assert a_state.adopted + b_state.adopted >= 1
+            print(f"\nrequests routed before both proxies agreed: {before}")
+        finally:
+            await a_state.stop()
+            await b_state.stop()
+
+    asyncio.run(scenario())
+
+
+def test_prefix_entries_reach_other_proxies_and_late_joiners(redis_url: str) -> None:
+    """Entries one proxy records are in another's mirror shortly after; a proxy that starts
+    later reads the stream's retained past (conversations begun before it started)."""
+    async def scenario() -> None:
+        a, b = SharedState(redis_url, local_load=dict), SharedState(redis_url, local_load=dict)
+        for s in (a, b):
+            s.start()
+        late = None
+        try:
+            await until(lambda: a.up and b.up)
+            assert a.longest([1, 2, 3]) == (0, None)
+            a.remember([11, 12, 13], "gpu-2")
+            assert a.longest([11, 12, 13, 14]) == (3, "gpu-2")  # its own entries: at once
+            await until(lambda: b.longest([11, 12, 13, 14]) == (3, "gpu-2"))
+            b.remember([13], "gpu-1")  # the conversation moved: the last writer wins everywhere
+            await until(lambda: a.longest([11, 12, 13]) == (3, "gpu-1"))
+            late = SharedState(redis_url, local_load=dict)
+            late.start()
+            await until(lambda: late.longest([11, 12, 13]) == (3, "gpu-1") and late.longest([11, 12]) == (2, "gpu-2"))
+        finally:
+            for s in (a, b, late):
+                if s is not None:
+                    await s.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_placement_change_reaches_every_mirror_and_queued_writes_win(redis_url: str) -> None:
+    """set_pin (shrink, re-home) is in the other proxies' mirrors shortly after; a change this
+    proxy has queued but not sent yet is not overwritten by an older entry arriving meanwhile."""
+    async def scenario() -> None:
+        a, b = SharedState(redis_url, local_load=dict), SharedState(redis_url, local_load=dict)
+        a.up = b.up = a.mirrored = b.mirrored = True
+        try:
+            a.set_pin(9, ("gpu-1", "gpu-2"))
+            await a.flush()
+            b._reading.set()
+            b._reader_task = asyncio.get_running_loop().create_task(b._reader())
+            await until(lambda: b.pins.get(9, ((),))[0] == ("gpu-1", "gpu-2"))
+            b.set_pin(9, ("gpu-3",))  # queued in b, not sent
+            a.set_pin(9, ("gpu-1",))
+            await a.flush()
+            await until(lambda: b._cursor_key >= a._last_sent)
+            assert b.pins[9][0] == ("gpu-3",)
+            await b.flush()
+            assert b.pins[9][0] == ("gpu-3",)
+            b._reader_task.cancel()
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture
+def slow_redis(private_redis: PrivateRedis, redis_url: str):
+    """The suite's Redis behind a relay adding 100 ms each way (requested before `servers`, so
+    it outlives the proxies using it)."""
+    with DelayRelay("127.0.0.1", private_redis.port, 0.1) as relay:
+        yield relay
+
+
+def test_a_slow_redis_adds_nothing_to_a_request(slow_redis: DelayRelay, servers: Servers) -> None:
+    """Two proxies share state through a relay adding 100 ms each way: no request fails, a
+    request takes no longer than through a proxy without Redis (any round trip on the request
+    path would add 200 ms), and a conversation started on one proxy continues on the other."""
+    sims = [servers.sim() for _ in range(3)]
+    relay, delay_s = slow_redis, slow_redis.delay
+    config = {"redis": {"url": relay.url}, "routing": {"prefix_affinity": {"block_chars": 64, "load_slack": 100}}}
+    a, b = servers.proxy_for(*sims, **config), servers.proxy_for(*sims, **config)
+    plain = servers.proxy_for(*sims, routing={"prefix_affinity": {"block_chars": 64, "load_slack": 100}})
+    states = [p.server.config.app.runtime.shared for p in (a, b)]
+    assert eventually(lambda: all(s.up and s.mirrored for s in states), timeout=30)
+    with httpx.Client(timeout=30) as client:
+        def timed(proxy, i: int) -> tuple[float, httpx.Response]:
+            body = {"model": MODEL, "max_tokens": 2,
+                    "messages": [{"role": "system", "content": tenant(i % 3)}, {"role": "user", "content": f"q{i} " * 30}]}
+            t = time.perf_counter()
+            resp = client.post(proxy.url + "/v1/chat/completions", json=body)
+            return time.perf_counter() - t, resp
+
+        slow, fast = [], []
+        for i in range(30):
+            for proxy, out in ((a, slow), (plain, fast)):
+                elapsed, resp = timed(proxy, i)
+                assert resp.status_code == 200
+                out.append(elapsed)
+        assert statistics.median(slow) < statistics.median(fast) + delay_s, (slow, fast)
+        # a conversation through a, continued through b once b's mirror shows a's entries
+        first = [{"role": "system", "content": tenant(7)}, {"role": "user", "content": "first question " * 8}]
+        resp = client.post(a.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": first})
+        home = resp.headers["x-vllm-proxy-backend"]
+        chain = prefix_key(True, {"messages": first}, MODEL, 64, 64).chain
+        assert eventually(lambda: states[1].longest(chain) == (len(chain), home), timeout=30)
+        more = first + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then? " * 8}]
+        resp = client.post(b.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": more})
+        assert resp.headers["x-vllm-proxy-backend"] == home and resp.headers["x-vllm-proxy-route"] == "prefix-hit"

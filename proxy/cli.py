@@ -65,7 +65,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         from proxy.app import ProxyApp
 
-        uvicorn.run(ProxyApp(config, os.path.abspath(args.config)), host=host, port=port, **options)
+        from proxy.drain import DrainingServer
+
+        server = DrainingServer(uvicorn.Config(ProxyApp(config, os.path.abspath(args.config)), host=host, port=port,
+                                               **options))
+        server.run()
+        return 0 if server.started else 3
     return 0
 
 

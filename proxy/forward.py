@@ -3,9 +3,14 @@
 Not httpx's default transport (its pool collapses under concurrency, ANCHORS.md), and not
 aiohttp on the data path either: measured, our httptools-based pool (proxy/http1.py) costs a
 quarter of aiohttp's CPU per request. Streams are relayed chunk by chunk, never re-parsed.
+
+Every exchange in flight is registered with its replica's `Track` (what proxy/watchdog.py reads
+to notice a hung replica) and can be cut from outside (`Progress.cut`): one that sent nothing to
+the client yet fails over as an `UpstreamFailure`, a stream ends with an SSE error event.
 """
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from time import perf_counter
 
@@ -14,7 +19,7 @@ import aiohttp
 from proxy.asgi import Headers, Send
 from proxy.config import ServerConfig, Timeouts
 from proxy.errors import ProxyError, normalise_upstream_error
-from proxy.http1 import Pool, Response, UpstreamError
+from proxy.http1 import PING, Pool, Response, UpstreamError
 from proxy.routing.backends import Backend
 
 JSON = b"application/json"
@@ -30,11 +35,32 @@ class UpstreamFailure(ProxyError):
 
     def __init__(self, kind: str, status: int, message: str, payload: bytes | None = None) -> None:
         super().__init__(status, message, code=f"upstream_{kind}")
-        self.kind = kind  # connect | timeout | reset | status_5xx
+        self.kind = kind  # connect | timeout | reset | status_5xx | down
         self.payload = payload
+        self.retryable = True  # False: another replica must not get this request (proxy/watchdog.py: poison)
 
     def body(self) -> bytes:
         return self.payload if self.payload is not None else super().body()
+
+
+SHUTTING_DOWN = ProxyError(
+    503, "The proxy is shutting down: the stream was ended at its drain deadline; retry the request.",
+    code="proxy_shutting_down", type="service_unavailable",
+)
+
+
+class Track:
+    """One replica as the data path sees it: the exchanges in flight on it, and a counter of what
+    they received (response heads and stream chunks; our own `: ping` comments excluded). The
+    watchdog compares `beats` between its ticks; `seen` and `quiet_since` are its bookkeeping."""
+
+    __slots__ = ("active", "beats", "seen", "quiet_since")
+
+    def __init__(self) -> None:
+        self.active: set[Progress] = set()
+        self.beats = 0
+        self.seen = 0
+        self.quiet_since = 0.0
 
 
 class Progress:
@@ -45,7 +71,7 @@ class Progress:
     between them into it; None relays without looking at the chunks.
     """
 
-    __slots__ = ("started", "arrival", "itl", "proxy_s", "relay_at", "first_at", "tail", "body")
+    __slots__ = ("started", "arrival", "itl", "proxy_s", "relay_at", "first_at", "tail", "body", "task", "abort")
 
     def __init__(self, arrival: float = 0.0, itl=None) -> None:
         self.started = False
@@ -56,6 +82,15 @@ class Progress:
         self.first_at = 0.0  # streaming: when the first SSE data event was relayed (0: none yet)
         self.tail: bytes | None = None  # streaming: the last chunk with a data event other than [DONE]
         self.body: bytes | None = None  # non-streaming: the body relayed
+        self.task: asyncio.Task | None = None  # the request's task while the exchange runs
+        self.abort: str | None = None  # why the exchange was cut (`cut`)
+
+    def cut(self, reason: str) -> None:
+        """End the exchange from outside (its replica is down): it fails over if nothing reached
+        the client yet, else its stream ends with an SSE error event; the upstream is closed."""
+        if self.abort is None and self.task is not None:
+            self.abort = reason
+            self.task.cancel()
 
     def ttft(self) -> float | None:
         return self.first_at - self.arrival if self.first_at else None
@@ -75,6 +110,7 @@ class Upstream:
         t = server.timeouts
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.first_byte)
         self.pool = Pool(server.upstream_keep_alive_s)
+        self.tracks: dict[Backend, Track] = {}  # per replica, across config reloads (proxy/watchdog.py)
         self.keepalive = server.sse_keepalive_s
         self.session: aiohttp.ClientSession | None = None
 
@@ -115,9 +151,32 @@ class Upstream:
 
         Raises UpstreamFailure only while nothing has been sent to the client yet (and, when
         `retryable`, for a 502/503/504 answer, which another replica may serve instead); after
-        the first byte of a stream, a failure ends the stream with an SSE error event.
+        the first byte of a stream, a failure ends the stream with an SSE error event. A stream's
+        response head waits for its first chunk, so a replica failing before it is failed over too.
         """
         progress.proxy_s = perf_counter() - progress.arrival
+        track = self.tracks.get(backend)
+        if track is None:
+            track = self.tracks[backend] = Track()
+        progress.task = asyncio.current_task()
+        track.active.add(progress)
+        try:
+            return await self._exchange(backend, endpoint, body, request_id, send, response_headers, progress,
+                                        rename, retryable, timeouts, track)
+        except asyncio.CancelledError:
+            if progress.abort is None:
+                raise  # the client left, or the server is shutting down
+            _uncancel()
+            raise UpstreamFailure("down", 502, progress.abort) from None
+        finally:
+            track.active.discard(progress)
+            progress.task = None
+
+    async def _exchange(
+        self, backend: Backend, endpoint: str, body: bytes, request_id: bytes, send: Send, response_headers: Headers,
+        progress: Progress, rename: tuple[bytes, bytes] | None, retryable: bool, timeouts: Timeouts | None,
+        track: Track,
+    ) -> int:
         try:
             resp = await self.pool.request(
                 backend.origin, backend.request_head(endpoint, len(body), request_id), body,
@@ -125,14 +184,13 @@ class Upstream:
             )
         except UpstreamError as exc:
             raise _failure(exc) from None
-        headers_at = perf_counter()
+        track.beats += 1
         try:
             status = resp.status
             ctype = resp.content_type
             if status < 400 and ctype.startswith(b"text/event-stream"):
-                progress.started = True
                 headers_out = [(b"content-type", ctype), *SSE_HEADERS, *response_headers]
-                await self._relay_stream(resp, send, headers_out, rename, progress, headers_at)
+                await self._relay_stream(resp, send, headers_out, rename, progress, track)
                 return status
             try:
                 payload = await resp.read()
@@ -163,24 +221,58 @@ class Upstream:
 
     async def _relay_stream(
         self, resp: Response, send: Send, headers: Headers, rename: tuple[bytes, bytes] | None,
-        progress: Progress, headers_at: float,
+        progress: Progress, track: Track,
     ) -> None:
+        try:
+            first = await resp.next_chunk(self.keepalive)
+        except UpstreamError as exc:
+            raise _failure(exc) from None  # nothing reached the client: another replica may serve it
+        arrived = perf_counter()
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        progress.proxy_s += perf_counter() - headers_at
+        progress.started = True
+        progress.proxy_s += perf_counter() - arrived
         try:
             if progress.itl is None:
-                while (chunk := await resp.next_chunk(self.keepalive)) is not None:
+                chunk = first
+                while chunk is not None:
+                    if chunk is not PING:
+                        track.beats += 1
                     if rename is not None:
                         chunk = chunk.replace(*rename)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    chunk = await resp.next_chunk(self.keepalive)
             else:
-                await _relay_timed(resp, send, rename, progress, self.keepalive)
+                await _relay_timed(resp, send, rename, progress, self.keepalive, first, track)
         except UpstreamError as exc:
             failure = UpstreamFailure(exc.kind, 502, f"The model server failed mid-stream ({exc}).")
-            resp.close()
-            await send({"type": "http.response.body", "body": failure.sse_event(), "more_body": False})
+            await _end_stream(resp, send, failure)
             raise StreamBroken(failure) from None
+        except asyncio.CancelledError:
+            reason = progress.abort
+            await _end_stream(resp, send, SHUTTING_DOWN if reason is None else UpstreamFailure("down", 502, reason))
+            if reason is None:
+                raise  # the client left (it sees nothing), or the drain deadline passed
+            _uncancel()
+            raise StreamBroken(UpstreamFailure("down", 502, reason)) from None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _end_stream(resp: Response, send: Send, error: ProxyError) -> None:
+    """Close the upstream (vLLM aborts the request) and end the client's stream with `error` as
+    an SSE event (no [DONE]: the openai SDK raises it)."""
+    resp.close()
+    try:
+        await send({"type": "http.response.body", "body": error.sse_event(), "more_body": False})
+    except Exception:  # noqa: BLE001 - the client is gone: nobody to tell
+        pass
+
+
+def _uncancel() -> None:
+    """After catching a cancellation the proxy asked for (`Progress.cut`), the task goes on:
+    clear it from the task's count so later awaits are not cancelled (Python >= 3.11)."""
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "uncancel"):
+        task.uncancel()
 
 
 def _failure(exc: UpstreamError) -> UpstreamFailure:
@@ -198,7 +290,8 @@ class StreamBroken(Exception):
 
 
 async def _relay_timed(
-    resp: Response, send: Send, rename: tuple[bytes, bytes] | None, progress: Progress, keepalive: float | None
+    resp: Response, send: Send, rename: tuple[bytes, bytes] | None, progress: Progress, keepalive: float | None,
+    first: bytes | None, track: Track,
 ) -> None:
     """The relay loop, timing SSE data events without parsing them: a substring test per chunk,
     one clock read and one bisect per chunk that carries a data event, no allocation.
@@ -216,8 +309,11 @@ async def _relay_timed(
     last = total = gap = 0.0
     pending = -1  # bucket of the gap not yet committed
     tail = None
+    chunk = first
     try:
-        while (chunk := await resp.next_chunk(keepalive)) is not None:
+        while chunk is not None:
+            if chunk is not PING:
+                track.beats += 1
             if rename is not None:
                 chunk = chunk.replace(*rename)
             if started:
@@ -235,6 +331,7 @@ async def _relay_timed(
                 started = True
                 tail = chunk
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            chunk = await resp.next_chunk(keepalive)
     finally:
         if pending >= 0 and not _usage_first(tail):
             counts[pending] += 1

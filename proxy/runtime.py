@@ -19,6 +19,7 @@ from proxy.routing.catalog import Route, build_catalog
 from proxy.routing.policies import make_policy
 from proxy.scrape import BackendScraper
 from proxy.shared import SharedState
+from proxy.watchdog import Watchdog
 
 log = logging.getLogger("vllm_proxy")
 
@@ -52,6 +53,10 @@ class Runtime:
         self.rebuild_catalog()
         self.upstream = previous.upstream if previous else Upstream(config.server)
         self.owner = previous is None  # opens and finally closes the process-wide parts
+        self.draining = previous.draining if previous else False  # SIGTERM received (proxy/drain.py)
+        self.watchdog = Watchdog(  # hung replicas (proxy/watchdog.py)
+            config.server.hung_replicas, self.upstream.tracks, lambda: self.upstream.session, self._health_changed
+        )
         self.discovery = Discovery(
             lambda: self.upstream.session, self.backends, config.discovery, self.rebuild_catalog, self._health_changed
         )
@@ -94,6 +99,7 @@ class Runtime:
             self._health_changed(backend)
         await self.discovery.poll_all()
         self.discovery.start()
+        self.watchdog.start()
         self.lora.start()
         if self.scraper is not None:
             self.scraper.start()
@@ -107,6 +113,7 @@ class Runtime:
     async def stop(self) -> None:
         await self.lora.stop()
         await self.discovery.stop()
+        await self.watchdog.stop()
         if self.scraper is not None:
             await self.scraper.stop()
         if self.shared is not None:

@@ -238,12 +238,13 @@ async def _attempt(
         metrics.child(metrics.upstream_errors, backend.name, exc.kind).inc()
         if exc.kind == "timeout" and await rt.watchdog.answers(backend):
             exc = poisoned(exc, backend)  # the replica is fine: the request is the likely cause
-        else:
+        elif exc.kind != "down":  # (a replica marked down is out of rotation already)
             rt.outliers.failure(backend)
         status, failure = str(exc.status), exc
     except StreamBroken as broken:
         metrics.child(metrics.upstream_errors, backend.name, broken.failure.kind).inc()
-        rt.outliers.failure(backend)
+        if broken.failure.kind != "down":
+            rt.outliers.failure(backend)
     finally:
         backend.in_flight -= 1
         if route.adapter is not None: rt.lora.release(backend, route.adapter)  # noqa: E701

@@ -59,12 +59,16 @@ class Watchdog:
         now = time.monotonic()
         suspect = self.config.suspect_after_s
         for backend, track in self.tracks.items():
-            if not track.active or not backend.healthy:
+            if not track.active:
                 track.quiet_since = 0.0
             elif track.beats != track.seen or not track.quiet_since:
                 track.seen = track.beats
                 track.quiet_since = now
-            elif now - track.quiet_since >= suspect and backend not in self._probes:
+            elif now - track.quiet_since < suspect:
+                continue
+            elif not backend.healthy:  # discovery found it down, and its requests went silent: cut them
+                self.mark_down(backend, "its health checks fail")
+            elif backend not in self._probes:
                 self._probe(backend)
 
     async def answers(self, backend: Backend) -> bool:

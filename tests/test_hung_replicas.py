@@ -36,7 +36,7 @@ class Stream(threading.Thread):
 
     def __init__(self, url: str, content: str, max_tokens: int) -> None:
         super().__init__(daemon=True)
-        self.url, self.payload = url, body(content, True, max_tokens)
+        self.url, self.payload = url, {**body(content, True, max_tokens), "ignore_eos": True}  # runs max_tokens
         self.backend: str | None = None
         self.events: list[str] = []
         self.first = threading.Event()

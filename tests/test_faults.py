@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import socket
+import threading
 import time
 
 import httpx
 
 from loadtest.private_redis import PrivateRedis
+from proxy.sim.app import create_app
+from proxy.sim.config import SimConfig
 from tests.conftest import MODEL, Servers, eventually, sim_of
+from tests.support import ServerThread
 
 CHAT = "/v1/chat/completions"
 
@@ -192,3 +196,39 @@ def test_admission_queue_429_and_clients_leaving_the_queue(servers: Servers) -> 
         assert done_running.status_code == 200 and behind.result().status_code == 200
         assert time.monotonic() - finished_at < 1.0  # not held up by a request nobody waits for
     assert sum(sim_of(sim).stats()["requests"].values()) - requests_before == 2  # the leaver never ran
+
+
+def test_rolling_restart_of_every_replica_under_load(servers: Servers) -> None:
+    """Each replica in turn stops (finishing what it runs) and comes back on its port while
+    clients keep sending: no request fails, and every restarted replica serves again."""
+    sims = [servers.sim() for _ in range(4)]
+    proxy = servers.proxy_for(*sims)
+    stop = threading.Event()
+    results: list[tuple[int, float]] = []
+
+    def client(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            results.append(ask(proxy.url, i, stream=i % 2 == 0))
+            i += 4
+
+    def healthy() -> list[str]:
+        return httpx.get(proxy.url + "/ready").json()["healthy_backends"]
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for i, old in enumerate(list(sims)):
+            served = len(results)
+            old.stop()
+            assert eventually(lambda: f"gpu-{i}" not in healthy(), timeout=30)
+            new = ServerThread(create_app(SimConfig(model=MODEL, time_scale=0.0)), port=old.port).start()
+            servers.running.append(new)
+            assert eventually(lambda: f"gpu-{i}" in healthy() and sim_of(new).stats()["completed"] > 0, timeout=30)
+            assert len(results) > served  # load went on meanwhile
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert len(results) > 40 and [r for r in results if r[0] != 200] == []

@@ -6,7 +6,9 @@ deadline is shortened for the last scenario only, as noted). Load throughout: `-
 threads sending short requests, every other one streaming, each a new request. Scenarios:
 
 - hung: one replica SIGSTOPped while 8 long streams run and the load goes on, SIGCONTed later;
-- long prefill: one request whose first token takes 20 s (the simulator's `long_prefill` fault);
+- long prefill: a request whose first token takes 20 s (the simulator's `long_prefill` fault),
+  non-streaming with nothing else running (its replica is silent and gets probed), then streaming
+  under the load;
 - poison: a request that hangs on any replica (`poison` fault; a deployment with a 5 s first-byte
   timeout, so the run is short);
 - flapping: one replica SIGSTOPped and SIGCONTed every 2 s for 20 s;
@@ -215,7 +217,6 @@ def scenario_hung(fleet: Fleet, clients: int) -> dict:
 def scenario_long_prefill(fleet: Fleet, clients: int) -> dict:
     for i in range(4):
         fleet.fault(i, long_prefill="a very long document", long_prefill_ms=20000)
-    load = Load(fleet.url, clients)
     dropped = threading.Event()
     done = threading.Event()
 
@@ -228,7 +229,10 @@ def scenario_long_prefill(fleet: Fleet, clients: int) -> dict:
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     results = {}
-    for stream in (False, True):
+    load = None
+    for stream in (False, True):  # alone on a silent fleet (probed, answering), then under load
+        if stream:
+            load = Load(fleet.url, clients)
         started = time.monotonic()
         resp = httpx.post(fleet.url + CHAT, json=body("a very long document", stream), timeout=CLIENT_TIMEOUT)
         ok = resp.status_code == 200 and ("[DONE]" in resp.text if stream else True)

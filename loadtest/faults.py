@@ -193,15 +193,20 @@ def stream_report(streams: list[Stream], on: str, since: float) -> list[dict]:
             for s in streams if s.backend == on]
 
 
+def strike(fleet: Fleet, clients: int, i: int, sig: int) -> tuple[Load, float, float | None]:
+    """Start the load, then signal replica `i`: (the load, when, seconds until it left /ready)."""
+    load = Load(fleet.url, clients)
+    time.sleep(2)
+    fault_at = time.monotonic()
+    fleet.signal(i, sig)
+    return load, fault_at, wait_for(lambda: f"gpu-{i}" not in fleet.healthy())
+
+
 def scenario_hung(fleet: Fleet, clients: int) -> dict:
     streams = [Stream(fleet.url, i) for i in range(8)]
     for s in streams:
         s.first.wait(60)
-    load = Load(fleet.url, clients)
-    time.sleep(2)
-    fault_at = time.monotonic()
-    fleet.signal(1, signal.SIGSTOP)
-    down = wait_for(lambda: "gpu-1" not in fleet.healthy())
+    load, fault_at, down = strike(fleet, clients, 1, signal.SIGSTOP)
     time.sleep(15)
     report = {"marked_down_after_s": down, "streams_on_hung": stream_report(streams, "gpu-1", fault_at)}
     fleet.signal(1, signal.SIGCONT)
@@ -271,11 +276,7 @@ def scenario_flapping(fleet: Fleet, clients: int) -> dict:
 
 
 def scenario_killed(fleet: Fleet, clients: int) -> dict:
-    load = Load(fleet.url, clients)
-    time.sleep(1)
-    fault_at = time.monotonic()
-    fleet.signal(3, signal.SIGKILL)
-    down = wait_for(lambda: "gpu-3" not in fleet.healthy())
+    load, fault_at, down = strike(fleet, clients, 3, signal.SIGKILL)
     time.sleep(5)
     fleet.restart(3)
     back = wait_for(lambda: "gpu-3" in fleet.healthy())

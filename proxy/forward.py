@@ -151,8 +151,7 @@ class Upstream:
 
         Raises UpstreamFailure only while nothing has been sent to the client yet (and, when
         `retryable`, for a 502/503/504 answer, which another replica may serve instead); after
-        the first byte of a stream, a failure ends the stream with an SSE error event. A stream's
-        response head waits for its first chunk, so a replica failing before it is failed over too.
+        the first byte of a stream, a failure ends the stream with an SSE error event.
         """
         progress.proxy_s = perf_counter() - progress.arrival
         track = self.tracks.get(backend)
@@ -161,88 +160,75 @@ class Upstream:
         progress.task = asyncio.current_task()
         track.active.add(progress)
         try:
-            return await self._exchange(backend, endpoint, body, request_id, send, response_headers, progress,
-                                        rename, retryable, timeouts, track)
+            try:
+                resp = await self.pool.request(
+                    backend.origin, backend.request_head(endpoint, len(body), request_id), body,
+                    timeouts or self.server.timeouts,
+                )
+            except UpstreamError as exc:
+                raise _failure(exc) from None
+            track.beats += 1
+            headers_at = perf_counter()
+            try:
+                status = resp.status
+                ctype = resp.content_type
+                if status < 400 and ctype.startswith(b"text/event-stream"):
+                    headers_out = [(b"content-type", ctype), *SSE_HEADERS, *response_headers]
+                    await self._relay_stream(resp, send, headers_out, rename, progress, headers_at, track)
+                    return status
+                try:
+                    payload = await resp.read()
+                except UpstreamError as exc:
+                    raise _failure(exc) from None
+                read_at = perf_counter()
+                if status >= 400:
+                    payload, ctype = normalise_upstream_error(status, payload), JSON
+                    if retryable and status in RETRY_STATUSES:
+                        raise UpstreamFailure("status_5xx", status, "", payload=payload)
+                elif rename is not None:
+                    payload = payload.replace(*rename)
+                # headers go out before the body: the header counts proxy time up to this point
+                overhead_ms = b"%.3f" % ((progress.proxy_s + perf_counter() - read_at) * 1000.0)
+                headers_out = [(b"content-type", ctype), (b"content-length", b"%d" % len(payload)),
+                               (b"x-vllm-proxy-overhead-ms", overhead_ms), *response_headers]
+                progress.relay_at = read_at
+                progress.body = payload
+                progress.started = True
+                await send({"type": "http.response.start", "status": status, "headers": headers_out})
+                await send({"type": "http.response.body", "body": payload})
+                return status
+            except BaseException:
+                resp.close()  # drops the connection: vLLM sees the disconnect and aborts the request
+                raise
+            finally:
+                resp.release()
         except asyncio.CancelledError:
-            if progress.abort is None:
-                raise  # the client left, or the server is shutting down
+            if progress.abort is None or progress.started:
+                raise  # the client left, or the server is shutting down (or a cut came as the answer went out)
             _uncancel()
             raise UpstreamFailure("down", 502, progress.abort) from None
         finally:
             track.active.discard(progress)
             progress.task = None
 
-    async def _exchange(
-        self, backend: Backend, endpoint: str, body: bytes, request_id: bytes, send: Send, response_headers: Headers,
-        progress: Progress, rename: tuple[bytes, bytes] | None, retryable: bool, timeouts: Timeouts | None,
-        track: Track,
-    ) -> int:
-        try:
-            resp = await self.pool.request(
-                backend.origin, backend.request_head(endpoint, len(body), request_id), body,
-                timeouts or self.server.timeouts,
-            )
-        except UpstreamError as exc:
-            raise _failure(exc) from None
-        track.beats += 1
-        try:
-            status = resp.status
-            ctype = resp.content_type
-            if status < 400 and ctype.startswith(b"text/event-stream"):
-                headers_out = [(b"content-type", ctype), *SSE_HEADERS, *response_headers]
-                await self._relay_stream(resp, send, headers_out, rename, progress, track)
-                return status
-            try:
-                payload = await resp.read()
-            except UpstreamError as exc:
-                raise _failure(exc) from None
-            read_at = perf_counter()
-            if status >= 400:
-                payload, ctype = normalise_upstream_error(status, payload), JSON
-                if retryable and status in RETRY_STATUSES:
-                    raise UpstreamFailure("status_5xx", status, "", payload=payload)
-            elif rename is not None:
-                payload = payload.replace(*rename)
-            # headers go out before the body: the header counts proxy time up to this point
-            overhead_ms = b"%.3f" % ((progress.proxy_s + perf_counter() - read_at) * 1000.0)
-            headers_out = [(b"content-type", ctype), (b"content-length", b"%d" % len(payload)),
-                           (b"x-vllm-proxy-overhead-ms", overhead_ms), *response_headers]
-            progress.relay_at = read_at
-            progress.body = payload
-            progress.started = True
-            await send({"type": "http.response.start", "status": status, "headers": headers_out})
-            await send({"type": "http.response.body", "body": payload})
-            return status
-        except BaseException:
-            resp.close()  # drops the connection: vLLM sees the disconnect and aborts the request
-            raise
-        finally:
-            resp.release()
-
     async def _relay_stream(
         self, resp: Response, send: Send, headers: Headers, rename: tuple[bytes, bytes] | None,
-        progress: Progress, track: Track,
+        progress: Progress, headers_at: float, track: Track,
     ) -> None:
-        try:
-            first = await resp.next_chunk(self.keepalive)
-        except UpstreamError as exc:
-            raise _failure(exc) from None  # nothing reached the client: another replica may serve it
-        arrived = perf_counter()
+        # The head goes out before the first token (clients see the status during the prefill).
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         progress.started = True
-        progress.proxy_s += perf_counter() - arrived
+        progress.proxy_s += perf_counter() - headers_at
         try:
             if progress.itl is None:
-                chunk = first
-                while chunk is not None:
+                while (chunk := await resp.next_chunk(self.keepalive)) is not None:
                     if chunk is not PING:
                         track.beats += 1
                     if rename is not None:
                         chunk = chunk.replace(*rename)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    chunk = await resp.next_chunk(self.keepalive)
             else:
-                await _relay_timed(resp, send, rename, progress, self.keepalive, first, track)
+                await _relay_timed(resp, send, rename, progress, self.keepalive, track)
         except UpstreamError as exc:
             failure = UpstreamFailure(exc.kind, 502, f"The model server failed mid-stream ({exc}).")
             await _end_stream(resp, send, failure)
@@ -291,7 +277,7 @@ class StreamBroken(Exception):
 
 async def _relay_timed(
     resp: Response, send: Send, rename: tuple[bytes, bytes] | None, progress: Progress, keepalive: float | None,
-    first: bytes | None, track: Track,
+    track: Track,
 ) -> None:
     """The relay loop, timing SSE data events without parsing them: a substring test per chunk,
     one clock read and one bisect per chunk that carries a data event, no allocation.
@@ -309,9 +295,8 @@ async def _relay_timed(
     last = total = gap = 0.0
     pending = -1  # bucket of the gap not yet committed
     tail = None
-    chunk = first
     try:
-        while chunk is not None:
+        while (chunk := await resp.next_chunk(keepalive)) is not None:
             if chunk is not PING:
                 track.beats += 1
             if rename is not None:
@@ -331,7 +316,6 @@ async def _relay_timed(
                 started = True
                 tail = chunk
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            chunk = await resp.next_chunk(keepalive)
     finally:
         if pending >= 0 and not _usage_first(tail):
             counts[pending] += 1

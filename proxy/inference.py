@@ -157,7 +157,8 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
             if failure is None:
                 break
             tried.append(backend)
-            retry = failure.retryable and len(tried) < rt.retries.max_attempts and rt.retries.withdraw()
+            retry = (failure.retryable and not watch.gone and len(tried) < rt.retries.max_attempts
+                     and rt.retries.withdraw())
             if retry:
                 try:
                     backend, reason = await choose(rt, route, parsed, trusted_only, tried)

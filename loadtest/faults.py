@@ -300,12 +300,18 @@ def scenario_proxy_sigterm(fleet: Fleet, clients: int) -> dict:
         s.first.wait(60)
     sent = time.monotonic()
     fleet.proxy.popen.send_signal(signal.SIGTERM)
-    ready = None
-    try:
-        ready = httpx.get(fleet.url + "/ready", timeout=5).status_code
-    except httpx.HTTPError as exc:
-        ready = type(exc).__name__
+    answers = []  # /ready during the drain, polled until the proxy exits
+
+    def poll() -> bool:
+        try:
+            answers.append(httpx.get(fleet.url + "/ready", timeout=5).status_code)
+        except httpx.HTTPError as exc:
+            answers.append(type(exc).__name__)
+        return fleet.proxy.popen.poll() is not None
+
+    wait_for(poll, timeout=60)
     code = fleet.proxy.popen.wait(60)
+    ready = {str(a): answers.count(a) for a in dict.fromkeys(answers)}
     for s in streams:
         s.join(30)
     return {"ready_while_draining": ready, "exit_code": code, "exited_after_s": round(time.monotonic() - sent, 2),

@@ -167,3 +167,11 @@ def test_request_on_a_replica_that_hangs_before_answering_is_retried(servers: Se
     assert [a.status_code for a in answers] == [200, 200]
     assert {a.headers["x-vllm-proxy-backend"] for a in answers} == {"gpu-1"}
     fault(sims[0], hang=False)
+
+
+def test_sim_fault_fields_are_validated(servers: Servers) -> None:
+    sim = servers.sim()
+    assert httpx.post(sim.url + "/sim/faults", json={"poison": 5}).status_code == 400
+    assert httpx.post(sim.url + "/sim/faults", json={"long_prefill_ms": -1}).status_code == 400
+    assert httpx.post(sim.url + "/sim/faults", json={"hang": "yes"}).status_code == 400
+    assert httpx.post(sim.url + "/sim/faults", json={"poison": "x", "long_prefill_ms": 5}).json()["poison"] == "x"

@@ -76,8 +76,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         from proxy.app import ProxyApp
 
+        from proxy.drain import DrainingServer
+
         # the app runs the file's config (a reload compares the file with it); flags only move the socket
-        uvicorn.run(ProxyApp(loaded, os.path.abspath(args.config)), host=host, port=port, **options)
+        server = DrainingServer(uvicorn.Config(ProxyApp(loaded, os.path.abspath(args.config)), host=host, port=port,
+                                               **options))
+        server.run()
+        return 0 if server.started else 3
     return 0
 
 

@@ -40,6 +40,18 @@ class OutlierConfig(Strict):
     max_ejection_s: float = Field(120.0, gt=0)
 
 
+class HungReplicaConfig(Strict):
+    """Hung-replica detection (proxy/watchdog.py): a replica with requests in flight that sends no
+    byte for `suspect_after_s` is probed; no answer within `probe_timeout_s` marks it down, its
+    requests that sent nothing to the client are retried elsewhere and its streams end with an
+    SSE error event. A replica that is merely busy (a long prefill) answers the probe."""
+
+    enabled: bool = True
+    suspect_after_s: float = Field(1.0, gt=0, description="silence, with requests in flight, that triggers a probe")
+    probe_timeout_s: float = Field(2.0, gt=0, description="a probe unanswered this long marks the replica down")
+    probe_path: str = Field("/health", pattern=r"^/", description="vLLM's liveness endpoint")
+
+
 class ServerConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -61,7 +73,11 @@ class ServerConfig(Strict):
     max_queue: int = Field(256, ge=0, description="requests waiting for a replica slot before 429s")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait for a replica slot before 429")
     sse_keepalive_s: float | None = Field(None, gt=0, description="`: ping` comments in silent streams; off if unset")
-    drain_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, how long in-flight requests may finish")
+    drain_timeout_s: float = Field(
+        120.0, gt=0, description="on SIGTERM: /ready answers 503 and in-flight requests may finish this long; "
+        "streams still open then end with an SSE error event (deploy kits' grace periods assume 120 s)"
+    )
+    hung_replicas: HungReplicaConfig = HungReplicaConfig()
 
 
 class BackendSettings(Strict):

@@ -48,9 +48,11 @@ async def health(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> Non
 
 
 async def ready(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:
+    """200 while some replica is healthy; 503 once SIGTERM started the drain (load balancers stop
+    sending while in-flight requests finish, proxy/drain.py)."""
     healthy = [b.name for b in rt.backends if b.healthy]
-    status = 200 if healthy else 503
-    await send_json(send, status, {"ready": bool(healthy), "healthy_backends": healthy})
+    ok = bool(healthy) and not rt.draining
+    await send_json(send, 200 if ok else 503, {"ready": ok, "draining": rt.draining, "healthy_backends": healthy})
 
 
 async def metrics(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:

@@ -3,9 +3,14 @@
 Not httpx's default transport (its pool collapses under concurrency, ANCHORS.md), and not
 aiohttp on the data path either: measured, our httptools-based pool (proxy/http1.py) costs a
 quarter of aiohttp's CPU per request. Streams are relayed chunk by chunk, never re-parsed.
+
+Every exchange in flight is registered with its replica's `Track` (what proxy/watchdog.py reads
+to notice a hung replica) and can be cut from outside (`Progress.cut`): one that sent nothing to
+the client yet fails over as an `UpstreamFailure`, a stream ends with an SSE error event.
 """
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from time import perf_counter
 
@@ -14,7 +19,7 @@ import aiohttp
 from proxy.asgi import Headers, Send
 from proxy.config import ServerConfig, Timeouts
 from proxy.errors import ProxyError, normalise_upstream_error
-from proxy.http1 import Pool, Response, UpstreamError
+from proxy.http1 import PING, Pool, Response, UpstreamError
 from proxy.routing.backends import Backend
 
 JSON = b"application/json"
@@ -30,11 +35,32 @@ class UpstreamFailure(ProxyError):
 
     def __init__(self, kind: str, status: int, message: str, payload: bytes | None = None) -> None:
         super().__init__(status, message, code=f"upstream_{kind}")
-        self.kind = kind  # connect | timeout | reset | status_5xx
+        self.kind = kind  # connect | timeout | reset | status_5xx | down
         self.payload = payload
+        self.retryable = True  # False: another replica must not get this request (proxy/watchdog.py: poison)
 
     def body(self) -> bytes:
         return self.payload if self.payload is not None else super().body()
+
+
+SHUTTING_DOWN = ProxyError(
+    503, "The proxy is shutting down: the stream was ended at its drain deadline; retry the request.",
+    code="proxy_shutting_down", type="service_unavailable",
+)
+
+
+class Track:
+    """One replica as the data path sees it: the exchanges in flight on it, and a counter of what
+    they received (response heads and stream chunks; our own `: ping` comments excluded). The
+    watchdog compares `beats` between its ticks; `seen` and `quiet_since` are its bookkeeping."""
+
+    __slots__ = ("active", "beats", "seen", "quiet_since")
+
+    def __init__(self) -> None:
+        self.active: set[Progress] = set()
+        self.beats = 0
+        self.seen = 0
+        self.quiet_since = 0.0
 
 
 class Progress:
@@ -45,7 +71,8 @@ class Progress:
     between them into it; None relays without looking at the chunks.
     """
 
-    __slots__ = ("started", "arrival", "itl", "proxy_s", "relay_at", "first_at", "tail", "body", "marker")
+    __slots__ = ("started", "arrival", "itl", "proxy_s", "relay_at", "first_at", "tail", "body", "marker", "task",
+                 "abort")
 
     def __init__(self, arrival: float = 0.0, itl=None, marker: bytes = b"data:") -> None:
         self.started = False
@@ -57,6 +84,15 @@ class Progress:
         self.tail: bytes | None = None  # streaming: the last chunk with a data event other than [DONE]
         self.body: bytes | None = None  # non-streaming: the body relayed
         self.marker = marker  # what a chunk carrying a token contains (Responses: its text delta event)
+        self.task: asyncio.Task | None = None  # the request's task while the exchange runs
+        self.abort: str | None = None  # why the exchange was cut (`cut`)
+
+    def cut(self, reason: str) -> None:
+        """End the exchange from outside (its replica is down): it fails over if nothing reached
+        the client yet, else its stream ends with an SSE error event; the upstream is closed."""
+        if self.abort is None and self.task is not None:
+            self.abort = reason
+            self.task.cancel()
 
     def ttft(self) -> float | None:
         return self.first_at - self.arrival if self.first_at else None
@@ -76,6 +112,7 @@ class Upstream:
         t = server.timeouts
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.first_byte)
         self.pool = Pool(server.upstream_keep_alive_s, server.max_response_bytes)
+        self.tracks: dict[Backend, Track] = {}  # per replica, across config reloads (proxy/watchdog.py)
         self.keepalive = server.sse_keepalive_s
         self.session: aiohttp.ClientSession | None = None
 
@@ -121,69 +158,111 @@ class Upstream:
         `head`: the request line and headers to send instead of the endpoint's usual POST.
         """
         progress.proxy_s = perf_counter() - progress.arrival
+        track = self.tracks.get(backend)
+        if track is None:
+            track = self.tracks[backend] = Track()
+        progress.task = asyncio.current_task()
+        track.active.add(progress)
         try:
-            resp = await self.pool.request(
-                backend.origin, backend.request_head(endpoint, len(body), request_id, head), body,
-                timeouts or self.server.timeouts,
-            )
-        except UpstreamError as exc:
-            raise _failure(exc) from None
-        headers_at = perf_counter()
-        try:
-            status = resp.status
-            ctype = resp.content_type
-            if status < 400 and ctype.startswith(b"text/event-stream"):
-                progress.started = True
-                headers_out = [(b"content-type", ctype), *SSE_HEADERS, *response_headers]
-                await self._relay_stream(resp, send, headers_out, rename, progress, headers_at)
-                return status
             try:
-                payload = await resp.read(self.pool.max_body_bytes)
+                resp = await self.pool.request(
+                    backend.origin, backend.request_head(endpoint, len(body), request_id, head), body,
+                    timeouts or self.server.timeouts,
+                )
             except UpstreamError as exc:
                 raise _failure(exc) from None
-            read_at = perf_counter()
-            if status >= 400:
-                payload, ctype = normalise_upstream_error(status, payload), JSON
-                if retryable and status in RETRY_STATUSES:
-                    raise UpstreamFailure("status_5xx", status, "", payload=payload)
-            elif rename is not None:
-                payload = payload.replace(*rename)
-            # headers go out before the body: the header counts proxy time up to this point
-            overhead_ms = b"%.3f" % ((progress.proxy_s + perf_counter() - read_at) * 1000.0)
-            headers_out = [(b"content-type", ctype), (b"content-length", b"%d" % len(payload)),
-                           (b"x-vllm-proxy-overhead-ms", overhead_ms), *response_headers]
-            progress.relay_at = read_at
-            progress.body = payload
-            progress.started = True
-            await send({"type": "http.response.start", "status": status, "headers": headers_out})
-            await send({"type": "http.response.body", "body": payload})
-            return status
-        except BaseException:
-            resp.close()  # drops the connection: vLLM sees the disconnect and aborts the request
-            raise
+            track.beats += 1
+            headers_at = perf_counter()
+            try:
+                status = resp.status
+                ctype = resp.content_type
+                if status < 400 and ctype.startswith(b"text/event-stream"):
+                    headers_out = [(b"content-type", ctype), *SSE_HEADERS, *response_headers]
+                    await self._relay_stream(resp, send, headers_out, rename, progress, headers_at, track)
+                    return status
+                try:
+                    payload = await resp.read(self.pool.max_body_bytes)
+                except UpstreamError as exc:
+                    raise _failure(exc) from None
+                read_at = perf_counter()
+                if status >= 400:
+                    payload, ctype = normalise_upstream_error(status, payload), JSON
+                    if retryable and status in RETRY_STATUSES:
+                        raise UpstreamFailure("status_5xx", status, "", payload=payload)
+                elif rename is not None:
+                    payload = payload.replace(*rename)
+                # headers go out before the body: the header counts proxy time up to this point
+                overhead_ms = b"%.3f" % ((progress.proxy_s + perf_counter() - read_at) * 1000.0)
+                headers_out = [(b"content-type", ctype), (b"content-length", b"%d" % len(payload)),
+                               (b"x-vllm-proxy-overhead-ms", overhead_ms), *response_headers]
+                progress.relay_at = read_at
+                progress.body = payload
+                progress.started = True
+                await send({"type": "http.response.start", "status": status, "headers": headers_out})
+                await send({"type": "http.response.body", "body": payload})
+                return status
+            except BaseException:
+                resp.close()  # drops the connection: vLLM sees the disconnect and aborts the request
+                raise
+            finally:
+                resp.release()
+        except asyncio.CancelledError:
+            if progress.abort is None or progress.started:
+                raise  # the client left, or the server is shutting down (or a cut came as the answer went out)
+            _uncancel()
+            raise UpstreamFailure("down", 502, progress.abort) from None
         finally:
-            resp.release()
+            track.active.discard(progress)
+            progress.task = None
 
     async def _relay_stream(
         self, resp: Response, send: Send, headers: Headers, rename: tuple[bytes, bytes] | None,
-        progress: Progress, headers_at: float,
+        progress: Progress, headers_at: float, track: Track,
     ) -> None:
+        # The head goes out before the first token (clients see the status during the prefill).
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        progress.started = True
         progress.proxy_s += perf_counter() - headers_at
         try:
             if progress.itl is None:
                 while (chunk := await resp.next_chunk(self.keepalive)) is not None:
+                    if chunk is not PING:
+                        track.beats += 1
                     if rename is not None:
                         chunk = chunk.replace(*rename)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             else:
-                await _relay_timed(resp, send, rename, progress, self.keepalive)
+                await _relay_timed(resp, send, rename, progress, self.keepalive, track)
         except UpstreamError as exc:
             failure = UpstreamFailure(exc.kind, 502, f"The model server failed mid-stream ({exc}).")
-            resp.close()
-            await send({"type": "http.response.body", "body": failure.sse_event(), "more_body": False})
+            await _end_stream(resp, send, failure)
             raise StreamBroken(failure) from None
+        except asyncio.CancelledError:
+            reason = progress.abort
+            await _end_stream(resp, send, SHUTTING_DOWN if reason is None else UpstreamFailure("down", 502, reason))
+            if reason is None:
+                raise  # the client left (it sees nothing), or the drain deadline passed
+            _uncancel()
+            raise StreamBroken(UpstreamFailure("down", 502, reason)) from None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _end_stream(resp: Response, send: Send, error: ProxyError) -> None:
+    """Close the upstream (vLLM aborts the request) and end the client's stream with `error` as
+    an SSE event (no [DONE]: the openai SDK raises it)."""
+    resp.close()
+    try:
+        await send({"type": "http.response.body", "body": error.sse_event(), "more_body": False})
+    except Exception:  # noqa: BLE001 - the client is gone: nobody to tell
+        pass
+
+
+def _uncancel() -> None:
+    """After catching a cancellation the proxy asked for (`Progress.cut`), the task goes on:
+    clear it from the task's count so later awaits are not cancelled (Python >= 3.11)."""
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "uncancel"):
+        task.uncancel()
 
 
 def _failure(exc: UpstreamError) -> UpstreamFailure:
@@ -201,7 +280,8 @@ class StreamBroken(Exception):
 
 
 async def _relay_timed(
-    resp: Response, send: Send, rename: tuple[bytes, bytes] | None, progress: Progress, keepalive: float | None
+    resp: Response, send: Send, rename: tuple[bytes, bytes] | None, progress: Progress, keepalive: float | None,
+    track: Track,
 ) -> None:
     """The relay loop, timing SSE data events without parsing them: a substring test per chunk,
     one clock read and one bisect per chunk that carries a data event, no allocation.
@@ -222,6 +302,8 @@ async def _relay_timed(
     tail = None
     try:
         while (chunk := await resp.next_chunk(keepalive)) is not None:
+            if chunk is not PING:
+                track.beats += 1
             if rename is not None:
                 chunk = chunk.replace(*rename)
             if started:

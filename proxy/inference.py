@@ -18,6 +18,7 @@ from proxy.parse import ParsedRequest, parse_request
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
 from proxy.runtime import Runtime
+from proxy.watchdog import poisoned
 
 CLIENT_CLOSED = "499"
 
@@ -184,7 +185,8 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
             if failure is None:
                 break
             tried.append(backend)
-            retry = len(tried) < rt.retries.max_attempts and rt.retries.withdraw()
+            retry = (failure.retryable and not watch.gone and len(tried) < rt.retries.max_attempts
+                     and rt.retries.withdraw())
             if retry:
                 try:
                     backend, reason = await (choose if spec is None else spec.choose)(rt, route, parsed, trusted_only, tried)
@@ -275,11 +277,15 @@ async def _attempt(
         metrics.child(metrics.disconnects, route.name, phase).inc()
     except UpstreamFailure as exc:
         metrics.child(metrics.upstream_errors, backend.name, exc.kind).inc()
-        rt.outliers.failure(backend)
+        if exc.kind == "timeout" and await rt.watchdog.answers(backend):
+            exc = poisoned(exc, backend)  # the replica is fine: the request is the likely cause
+        elif exc.kind != "down":  # (a replica marked down is out of rotation already)
+            rt.outliers.failure(backend)
         status, failure = str(exc.status), exc
     except StreamBroken as broken:
         metrics.child(metrics.upstream_errors, backend.name, broken.failure.kind).inc()
-        rt.outliers.failure(backend)
+        if broken.failure.kind != "down":
+            rt.outliers.failure(backend)
     finally:
         backend.in_flight -= 1
         if route.adapter is not None: rt.lora.release(backend, route.adapter)  # noqa: E701

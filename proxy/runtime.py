@@ -24,6 +24,7 @@ from proxy.routing.catalog import Route, build_catalog
 from proxy.routing.policies import make_policy
 from proxy.scrape import BackendScraper
 from proxy.shared import SharedState
+from proxy.watchdog import Watchdog
 
 log = logging.getLogger("vllm_proxy.runtime")
 
@@ -63,6 +64,10 @@ class Runtime:
         if self.tracing is not None:
             self.upstream = self.tracing.upstream(self.upstream)
         self.owner = previous is None  # opens and finally closes the process-wide parts
+        self.draining = previous.draining if previous else False  # SIGTERM received (proxy/drain.py)
+        self.watchdog = Watchdog(  # hung replicas (proxy/watchdog.py)
+            config.server.hung_replicas, self.upstream.tracks, lambda: self.upstream.session, self._health_changed
+        )
         # Responses API: response id -> replica, kept across reloads (proxy/response_owners.py)
         self.response_owners = previous.response_owners if previous else ResponseOwners(
             config.responses.max_local_records, config.redis.url if config.redis else None,
@@ -123,6 +128,7 @@ class Runtime:
             await source.start()
         await self.discovery.poll_all()
         self.discovery.start()
+        self.watchdog.start()
         self.lora.start()
         if self.scraper is not None:
             self.scraper.start()
@@ -141,6 +147,7 @@ class Runtime:
             await asyncio.to_thread(self.tracing.shutdown)
         await self.lora.stop()
         await self.discovery.stop()
+        await self.watchdog.stop()
         if self.scraper is not None:
             await self.scraper.stop()
         if self.shared is not None:

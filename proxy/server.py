@@ -231,6 +231,8 @@ class ProxyProtocol(HttpToolsProtocol):
             self._start_lean()
         else:
             super().on_headers_complete()
+        if getattr(self.server_state, "draining", False) and self.cycle is not None:
+            self.cycle.keep_alive = False  # draining (proxy/drain.py): clients reconnect elsewhere
 
     def _start_lean(self) -> None:
         version = self.parser.get_http_version()
@@ -330,9 +332,10 @@ class LeanCycle:
         try:
             await app(self.scope, self.receive, self.send)
         except BaseException as exc:  # noqa: BLE001 - the app's bug must not kill the connection silently
-            if not isinstance(exc, asyncio.CancelledError):
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            if not cancelled:
                 log.error("exception in the request handler", exc_info=exc)
-            await self._finish_for_the_app()
+            await self._finish_for_the_app(cancelled)
         else:
             if not self._started and not self.disconnected:
                 log.error("the request handler returned without a response")
@@ -348,13 +351,18 @@ class LeanCycle:
             self.scope = None  # type: ignore[assignment]
             self.task = None
 
-    async def _finish_for_the_app(self) -> None:
-        """After the app: a response it never started is a 500, one it left unfinished is cut off,
-        so a client is never left waiting."""
+    async def _finish_for_the_app(self, cancelled: bool = False) -> None:
+        """After the app: a response it never started is a 500 (a 503 when the server cancelled it:
+        the drain deadline passed, proxy/drain.py), one it left unfinished is cut off, so a client
+        is never left waiting."""
         if not self._started and not self.disconnected:
-            err = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
+            if cancelled:
+                err = ProxyError(503, "The proxy is shutting down; retry the request.", code="proxy_shutting_down",
+                                 type="service_unavailable")
+            else:
+                err = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
             self.keep_alive = False
-            await self.send({"type": "http.response.start", "status": 500,
+            await self.send({"type": "http.response.start", "status": err.status,
                              "headers": [(b"content-type", b"application/json")]})
             await self.send({"type": "http.response.body", "body": err.body()})
         elif not self.response_complete:

@@ -39,13 +39,14 @@ def _worker(options: dict, host: str, port: int, index: int = 0) -> None:
     """One worker process: its own socket, uvicorn's server (which drains on SIGTERM)."""
     import uvicorn
 
+    from proxy.drain import DrainingServer
     from proxy.logsetup import configure_worker
 
     configure_worker(index)  # a spawned process inherits no logging setup (proxy/logsetup.py)
     _die_with_parent()
     # SIGHUP stays ignored (inherited, see serve()) until the config watcher handles it.
     config = uvicorn.Config("proxy.cli:app_from_env", factory=True, host=host, port=port, **options)
-    uvicorn.Server(config).run(sockets=[reuseport_socket(host, port)])
+    DrainingServer(config).run(sockets=[reuseport_socket(host, port)])
 
 
 def _die_with_parent() -> None:
@@ -89,7 +90,7 @@ def serve(options: dict, host: str, port: int, workers: int) -> int:
         print(f"vllm-proxy: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     ctx = multiprocessing.get_context("spawn")
-    drain_s = float(options.get("timeout_graceful_shutdown") or 30.0) + 10.0
+    drain_s = float(options.get("timeout_graceful_shutdown") or 120.0) + 10.0
 
     def start(index: int) -> tuple[multiprocessing.Process, float]:
         proc = ctx.Process(target=_worker, args=(options, host, port, index), daemon=False)

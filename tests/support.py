@@ -37,10 +37,10 @@ def reuse_default_ssl_context() -> None:
 class ServerThread:
     """Runs `app` under a real uvicorn server in a background thread; `url` is its base URL."""
 
-    def __init__(self, app: Any, *, host: str = "127.0.0.1", **config: Any) -> None:
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, **config: Any) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, 0))
+        self.sock.bind((host, port))  # a given port: a replica restarted where it was
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         config.setdefault("log_level", "warning")

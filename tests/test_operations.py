@@ -133,19 +133,19 @@ def sigterm_drains_streams(proxy: ProxyProcess, sim, model: str, n: int) -> None
             t.start()
         assert eventually(lambda: sim.server.config.app.stats()["running"] == n, timeout=30)
         proxy.proc.send_signal(signal.SIGTERM)
-        assert eventually(lambda: refuses(proxy.port), timeout=30)  # draining: no new connections
+        assert eventually(lambda: draining(proxy.url), timeout=30)  # /ready says 503 while it drains
     for t in threads:
         t.join(timeout=30)
     assert proxy.proc.wait(timeout=30) == 0
     assert len(results) == n and all(r == (200, True) for r in results), results[:3]
 
 
-def refuses(port: int) -> bool:
+def draining(url: str) -> bool:
+    """The proxy got SIGTERM: it still listens, and /ready answers 503 so balancers stop sending."""
     try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return httpx.get(url + "/ready", timeout=5).status_code == 503
+    except httpx.HTTPError:
         return False
-    except OSError:
-        return True
 
 
 def worker_pids(supervisor: int) -> set[int]:

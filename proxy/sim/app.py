@@ -167,6 +167,7 @@ class SimApp:
             await asyncio.sleep(faults.slow_ms / 1000)
         if faults.should_fail():
             raise SimError(faults.error_status, "Simulated engine failure (fault injection).")
+        await faults.before_first_token(body)
         data = protocol.parse_json(body)
         try:
             req = parse(data, self.models)
@@ -181,18 +182,22 @@ class SimApp:
 
     async def _generate(self, body: bytes, send: Send, parse: Callable[[dict, Models], Request],
                         render_body: Callable[[Request], bytes]) -> None:
+        hung = self.faults.wait_unhung  # a hang also stalls requests already running, as SIGSTOP does
         req = await self._admit(body, parse)
         if not req.stream:
             await self.engine.execute(req)
+            await hung()
             return await respond(send, 200, render_body(req))
         stream = render.Stream(req)
         # like vLLM (a Starlette StreamingResponse), headers go out before the request is scheduled
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
         async def emit(step: int) -> None:
+            await hung()
             await send({"type": "http.response.body", "body": stream.step(step), "more_body": True})
 
         await self.engine.execute(req, emit)
+        await hung()
         await send({"type": "http.response.body", "body": stream.tail(), "more_body": False})
 
     async def _chat(self, body: bytes, send: Send) -> None:

@@ -22,7 +22,7 @@ from proxy.sim.errors import bad_request
 
 @dataclass
 class Faults:
-    hang: bool = False  # accept requests (also /health, /metrics) and never answer while set
+    hang: bool = False  # accept requests (also /health, /metrics) and never answer while set; streams stall
     error_rate: float = 0.0  # share of inference requests answered with error_status
     error_status: int = 500
     slow_ms: float = 0.0  # extra delay before the first byte of inference responses
@@ -31,6 +31,9 @@ class Faults:
     hold_only: list = field(default_factory=list)  # model ids / adapter names `hold` applies to (empty: all)
     steps: int = -1  # decoding steps still allowed (any request; -1: unlimited)
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    poison: str = ""  # a request whose body contains this text is never answered (the replica stays healthy)
+    long_prefill: str = ""  # a request whose body contains this text waits long_prefill_ms before its first token
+    long_prefill_ms: float = 0.0
     _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _random: random.Random = field(default_factory=lambda: random.Random(0), repr=False)
 
@@ -46,12 +49,16 @@ class Faults:
             if kind is list:
                 if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                     raise bad_request(f"Bad value for fault '{key}': {value!r} (a list of names).", param=key)
+            elif kind is str:
+                if not isinstance(value, str):
+                    raise bad_request(f"Bad value for fault '{key}': {value!r}.", param=key)
             elif not isinstance(value, (bool, int, float)) or (kind is bool) != isinstance(value, bool):
                 raise bad_request(f"Bad value for fault '{key}': {value!r}.", param=key)
             current[key] = kind(value)
         if not (0.0 <= current["error_rate"] <= 1.0) or not (400 <= current["error_status"] <= 599) \
-                or current["slow_ms"] < 0 or current["steps"] < -1:
-            raise bad_request("error_rate must be in [0, 1], error_status in 400..599, slow_ms >= 0, steps >= -1.")
+                or current["slow_ms"] < 0 or current["steps"] < -1 or current["long_prefill_ms"] < 0:
+            raise bad_request("error_rate must be in [0, 1], error_status in 400..599, slow_ms and "
+                              "long_prefill_ms >= 0, steps >= -1.")
         for key, value in current.items():
             setattr(self, key, value)
         if self.hang:
@@ -88,6 +95,14 @@ class Faults:
         """Block while the gate holds `name` (until released, or the request is aborted)."""
         while self.holds(name):
             await self._changed.wait()
+
+    async def before_first_token(self, body: bytes) -> None:
+        """The per-request faults: a poison request waits forever (until its client leaves), a
+        marked one waits its long prefill."""
+        if self.poison and self.poison.encode() in body:
+            await asyncio.Event().wait()
+        if self.long_prefill and self.long_prefill.encode() in body and self.long_prefill_ms:
+            await asyncio.sleep(self.long_prefill_ms / 1000)
 
     def should_fail(self) -> bool:
         return self.error_rate > 0 and self._random.random() < self.error_rate

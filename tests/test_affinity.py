@@ -188,11 +188,9 @@ def test_proxies_share_continuations_through_redis(servers: Servers, redis_db, r
     for i in range(6):  # a few distinct conversations of one tenant through A
         body = {"model": MODEL, "messages": [messages[0], {"role": "user", "content": f"q{i} " * 30}], "max_tokens": 2}
         seen.add(httpx.post(a.url + "/v1/chat/completions", json=body).headers["x-vllm-proxy-backend"])
-    written = time.time()
-    # the flusher writes the index: wait for a sync of every proxy that began after those requests
-    # (each stamps its load entries with the time its sync began)
-    assert eventually(lambda: all(float(v.split(b"|")[1]) > written for v in redis_db.hgetall("vp:load").values()),
-                      timeout=10)
+    # A's flusher sends the index entries, B's reader applies them: settle on exactly that
+    shared_a, shared_b = (p.server.config.app.runtime.shared for p in (a, b))
+    assert eventually(lambda: shared_b.has_read(shared_a), timeout=10)
     for i in range(6):
         body = {"model": MODEL, "messages": [messages[0], {"role": "user", "content": f"q{i} " * 30},
                                               {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}],

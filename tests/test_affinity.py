@@ -122,20 +122,20 @@ def test_packing_repair_moves_a_tenant_out_of_a_crowded_cache() -> None:
     bs = backends(4)
     for b in bs:
         b.cache_tokens = 100_000
-    policy = PrefixAffinity(AffinityConfig(move_after_s=0, grow_min_requests=0))
-    now = time.time()
+    policy = PrefixAffinity(AffinityConfig(move_after_requests=0, grow_min_requests=0))
+    now, wall = policy.clock, time.time()
     sets = {1: ("gpu-0", "gpu-1"), 2: ("gpu-2",), 3: ("gpu-2",), 4: ("gpu-2",), 5: ("gpu-2",), 6: ("gpu-3",)}
     shares = {1: 0.4, 2: 0.17, 3: 0.01, 4: 0.01, 5: 0.01, 6: 0.2}  # every replica has 0.2 of the traffic
     for pin, members in sets.items():
-        policy.pins[pin] = (members, now - 10)
-        policy.tenant_rate.add(pin, now, shares[pin])
-    policy.tenant_rate.add(None, now, 1.0)
+        policy.pins[pin] = (members, wall - 1)
+        policy.tenant_rate.add(pin, now, shares[pin] * 2000)  # requests (decayed)
+    policy.tenant_rate.add(None, now, 2000.0)
     policy._prompt_chars = 130_000.0  # ~32 k tokens: a cache keeps 2 prompts, an even spread is 1.75
     plan = policy._plan(bs, now)
     assert plan and all(old == ("gpu-2",) and pin in (3, 4, 5) for pin, old, _ in plan)
     for _ in range(4):
         for pin, old, new in policy._plan(bs, now):
-            policy.pins[pin] = (new, now - 10)
+            policy.pins[pin] = (new, wall - 1)
     counts = policy._tenant_counts()
     assert max(counts.values()) <= 2 and policy.pins[1][0] == ("gpu-0", "gpu-1")
     assert policy._plan(bs, now) == []
@@ -270,7 +270,7 @@ def test_packing_repair_sees_every_proxys_tenant_counts(redis_db, redis_url) -> 
             assert total == pytest.approx(40.0, rel=0.01) and rates[7] == pytest.approx(30.0, rel=0.01)
             assert await a.other_tenants() == ({}, 0.0)  # its own counts are not "others"
             policy = PrefixAffinity(AffinityConfig())
-            now = time.time()
+            now = policy.clock  # the policy's time: requests
             policy.tenant_rate.add(8, now, 10.0)
             policy.tenant_rate.add(None, now, 10.0)  # this proxy saw only tenant 8
             share = policy._fleet_share(now, (rates, total))

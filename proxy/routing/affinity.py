@@ -134,7 +134,9 @@ class DecayedCounts:
         return math.exp(x)
 
     def add(self, key, now: float, up: float | None = None) -> None:
-        self.scaled[key] = self.scaled.get(key, 0.0) + (up if up is not None else self.factor(now))
+        if up is None:
+            up = self.factor(now)  # first: it may renormalise (replace) `scaled`
+        self.scaled[key] = self.scaled.get(key, 0.0) + up
 
     def value(self, key, now: float) -> float:
         return self.scaled.get(key, 0.0) / self.factor(now)
@@ -216,6 +218,15 @@ class PrefixAffinity:
         if self._joined:
             self._ramp(candidates, rates, now)
         return rates
+
+    def _recent(self, candidates: Sequence[Backend]) -> list[float]:
+        """Requests this proxy routed to each candidate over the last quarter load window (ramped
+        up for a replica that joined, as `smoothed`): where traffic goes now."""
+        down = 1.0 / self.recent.factor(self.clock)
+        recent = [self.recent.scaled.get(b.name, 0.0) * down for b in candidates]
+        if self._joined:
+            self._ramp(candidates, recent, self.clock)
+        return recent
 
     def _ramp(self, candidates: Sequence[Backend], values: list[float], now: float, into: dict | None = None) -> None:
         """Raise each lately joined replica's value to the others' mean times the part of its
@@ -349,9 +360,11 @@ class PrefixAffinity:
         # is, recomputing its own turns once, rather than keep the prompt alive in a second cache
         # for as long as its conversations last
         if owner is not None and matched > pin_blocks and (entry is None or owner in entry[0]):
+            # (before warm-up, as for a tenant's own replicas below, only a real queue stops it)
+            loose = cap + cfg.continuation_slack * mean if self._warm(now) else math.inf
             for i, backend in enumerate(candidates):
                 if backend.name == owner:
-                    if rates[i] + 1 <= cap + cfg.continuation_slack * mean and flights[i] + 1 <= qcap:
+                    if rates[i] + 1 <= loose and flights[i] + 1 <= qcap:
                         return backend, "prefix-hit"
                     break
 
@@ -364,13 +377,16 @@ class PrefixAffinity:
             return ranked[0][2], "place"
         members, stamp = entry
         here = [i for name in members for i, b in enumerate(candidates) if b.name == name]
+        # among its replicas, the one with the least traffic now (the smoothed load lags behind a
+        # set that just changed, and would send it all to the newest member for a while)
+        now_load = self._recent(candidates) if len(here) > 1 else rates
         if self._returning or len(here) < len(members):
             # an idle tenant came back, or a replica of its set left: place it anew (keeping the
             # replicas it has that still have room), and never back onto a replica that left
             return self._rehome(candidates, rates, flights, cap, qcap, pin, members, here, now)
         best = -1
         for i in here:
-            if rates[i] + 1 <= cap and flights[i] + 1 <= qcap and (best < 0 or rates[i] < rates[best]):
+            if rates[i] + 1 <= cap and flights[i] + 1 <= qcap and (best < 0 or now_load[i] < now_load[best]):
                 best = i
         self._refresh(pin, members, stamp, time.time())
         if best >= 0:
@@ -392,7 +408,7 @@ class PrefixAffinity:
             # conversation copies the prompt elsewhere and its later turns stay there
             hard = cap + cfg.continuation_slack * mean if self._warm(now) else math.inf
             for i in here:
-                if rates[i] + 1 <= hard and flights[i] + 1 <= qcap and (best < 0 or rates[i] < rates[best]):
+                if rates[i] + 1 <= hard and flights[i] + 1 <= qcap and (best < 0 or now_load[i] < now_load[best]):
                     best = i
             if best >= 0:
                 return candidates[best], "pinned"
@@ -459,11 +475,9 @@ class PrefixAffinity:
         n = len(candidates)
         counts = self._tenant_counts()
         # scored by where traffic goes now (a population that changed left the smoothed load behind)
-        down = 1.0 / self.recent.factor(self.clock)
-        recent = [self.recent.scaled.get(b.name, 0.0) * down for b in candidates]
+        recent = self._recent(candidates)
         mean_rate = (sum(recent) + n) / n
-        if self._joined:  # a replica that joined counts as carrying the mean at first, here too
-            self._ramp(candidates, recent, self.clock)
+        if self._joined:  # a replica that joined counts as holding the mean of tenants at first, too
             counts = dict(counts)
             self._ramp(candidates, [counts.get(b.name, 0) for b in candidates], self.clock, counts)
         mean_count = (sum(counts.get(b.name, 0) for b in candidates) + n) / n

@@ -91,12 +91,13 @@ _SPILL_REPAIR = 16.0  # a spill brings the packing repair forward to at most thi
 _REPAIR_AGAIN = 0.25  # while the repair finds work it runs again after this part of its period
 _PLACE_CHOICES = 8  # equally acceptable replicas offered to the shared table for a new tenant
 _PUBLISH_TENANTS = 16384  # tenants up to which this proxy shares its counts with the others' planner
-_GROW_SIGMAS = 2.5  # a set grows on the lower confidence bound of the tenant's share (binomial)
+_GROW_SIGMAS = 2.5  # a set grows on the lower confidence bound of the tenant's share (Poisson)
 _IDLE_GAPS = 6.0  # a tenant is idle after this many of its mean gaps without a request (P ~ e^-6 by chance)
 _IDLE_SIGMAS = 2.0  # ... of its mean gaps at the low end of its share (Poisson), so a light one is not dropped early
 _PRESENT_GAPS = 3.0  # the packing repair weighs a tenant silent for more of its mean gaps than this down
 _SETTLED = 12.0  # requests of a tenant (decayed, over all proxies) before the packing repair trusts its share
-_RATE_EVERY_S = 1.0  # wall time over which the request rate is measured
+_RATE_EVERY_S = 1.0  # the request rate is measured over this much wall time...
+_RATE_EVERY_REQUESTS = 64.0  # ... or this many requests, whichever comes first
 _START_RATE = 100.0  # requests a second assumed before the first measurement
 
 
@@ -293,7 +294,7 @@ class PrefixAffinity:
         used to age what other proxies published)."""
         self.clock += self._proxies
         since, at = self._rate_mark
-        if wall - since >= _RATE_EVERY_S:
+        if wall - since >= _RATE_EVERY_S or (self.clock - at >= _RATE_EVERY_REQUESTS and wall > since):
             self._rate = max((self.clock - at) / (wall - since), 1e-3)
             self._rate_mark = (wall, self.clock)
             if self.shared is not None:
@@ -732,7 +733,8 @@ class PrefixAffinity:
             return False
         for fast in (False, True):
             share, seen = self._estimate(pin, now, fast)
-            low = share - _GROW_SIGMAS * math.sqrt(share * (1.0 - share) / max(seen, 1.0))
+            mine = share * seen  # its requests (decayed); Poisson bound: a first request is not "100 %"
+            low = max(mine - _GROW_SIGMAS * math.sqrt(mine), 0.0) / max(seen, 1.0)
             if low * n >= size * self.config.grow_fill:
                 return True
         return False

@@ -29,22 +29,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import statistics
 import sys
 import tempfile
 import time
 import urllib.request
 from collections import Counter, deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
+from loadtest.affinity import percentile
 from loadtest.affinity_bound import token_hit_rate
 from loadtest.affinity_client import run_load
 from loadtest.affinity_fleet import HOST, Fleet, SimSettings, check_policy, free_port, replica_cmd
-from loadtest.affinity_workload import Workload, WorkloadSpec, generate, system_blocks
+from loadtest.affinity_replay import seeds
+from loadtest.affinity_workload import Workload, WorkloadSpec, generate
 from proxy.sim import protocol
 from proxy.sim.app import SimApp
 from proxy.sim.config import SimConfig
@@ -97,11 +97,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def seeds(text: str) -> list[int]:
-    lo, _, hi = text.partition("-")
-    return list(range(int(lo), int(hi) + 1)) if hi else [int(x) for x in text.split(",")]
-
-
 def workloads(args: argparse.Namespace, seed: int) -> list[tuple[Phase, Workload]]:
     chosen = [ph for ph in PHASES if ph.name in args.phases.split(",")]
     out = []
@@ -115,13 +110,6 @@ def workloads(args: argparse.Namespace, seed: int) -> list[tuple[Phase, Workload
 
 def blocks_per_replica(args: argparse.Namespace) -> int:
     return max(args.cache_chars // args.block_size, 1)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 class Caches:

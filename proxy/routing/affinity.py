@@ -9,18 +9,19 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    kept its prompt in two caches for as long as they lasted (seconds to minutes for a light
    tenant), crowding both; recomputing a conversation's own turns once is cheaper.
 2. Every tenant has a small ordered **replica set** (its home first). A new conversation goes
-   to the least-loaded member under the bound, so a hot tenant's traffic is shared by replicas
-   that all hold its prompt instead of spilling to arbitrary ones.
-3. When every member is over the bound, the set **grows** (by the replica with the least load
-   and the fewest tenants) only if the tenant's own traffic needs it (the lower confidence bound
-   of its share x N >= grow_fill x set size) and the fleet is past warm-up (`grow_min_requests`);
+   to the member under the bound with the least recent traffic, so a hot tenant's traffic is
+   shared by replicas that all hold its prompt instead of spilling to arbitrary ones.
+3. The set **grows** (by the replica with the least load and the fewest tenants) as soon as the
+   tenant's own traffic needs it (the lower confidence bound of its share, over the window or
+   over its last quarter, x N >= grow_fill x set size) and the fleet is past warm-up
+   (`grow_min_requests`), also when every member is over the bound;
    with Redis the growth is a compare-and-set on the shared table, so proxies growing one tenant
    at once agree. A smaller tenant instead stays up to the looser (continuation) bound, else
    spills that one request and brings the packing repair forward (step 5 re-homes it); before
    warm-up only a real queue makes it spill. When the tenant cools (its traffic would fit in one
-   replica less, for `cool_down_s`) the last member is dropped.
-4. A tenant never seen is **placed** on the replica with the least load and cache pressure
-   (tenants placed there), ties broken by rendezvous hashing. With Redis the placement is
+   replica less, `cool_down_requests` after the set last changed) the last member is dropped.
+4. A tenant never seen is **placed** on the replica with the least recent traffic and cache
+   pressure (active tenants placed there), ties broken by rendezvous hashing. With Redis the placement is
    written with set-if-absent (the first proxy wins, the others adopt its choice) into a hash
    every proxy mirrors, so all proxies agree on every tenant's set; while the table is small
    the script also skips a first choice that other proxies filled since this proxy's mirror was
@@ -29,7 +30,7 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    agreement); without Redis at all, this process's table is the authority.
 5. Placement is online bin packing with two limits, traffic (the bound) and cache room (the
    tenants' system prompts each replica's cache must hold, sized from `vllm:cache_config_info`),
-   and warm-up placements are blind to popularity. So every `rebalance_interval_s` a **packing
+   and warm-up placements are blind to popularity. So every `rebalance_every_requests` a **packing
    repair** (proxy/routing/packing.py, in the background) makes up to two changes, each a move
    of a single-replica tenant or a swap of two, that spread the prompts evenly over the caches
    without pushing traffic past (1 + eps/2) x mean. With Redis one proxy at a time plans (a
@@ -39,14 +40,14 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
 The bound (consistent hashing with bounded loads, Mirrokni et al. 2017) applies to a
 **smoothed** load: the exponentially decayed count of requests routed to each replica summed over
 all proxies via the shared load view. A replica is eligible when
-smoothed + 1 <= (1 + eps) x (total + 1) / N + load_slack, so noise in the instantaneous in-flight
+smoothed + 1 <= (1 + eps) x mean + load_slack x sqrt(mean), so noise in the instantaneous in-flight
 counts does not make tenants spill; in-flight counts only act as a guard against a real queue
 (more than ceil((1 + eps) x mean) + queue_slack in flight).
 
 **The policy's time is requests, not seconds.** Its clock advances by one per request routed over
 all proxies (each proxy advances it by the number of proxies it estimates from the shared load
-view), and every memory is counted on it: the smoothed load and the tenants' shares
-(`window_requests`), warm-up, growth and cool-down, the packing repair's period and its hold on
+view), and every memory is counted on it: the smoothed load (`load_window_requests`), the
+tenants' shares (`window_requests`), warm-up, growth and cool-down, the packing repair's period and its hold on
 recently moved tenants. So the same request sequence behaves the same at 0.1x or 10x the rate,
 and a benchmark's compressed minutes agree with production's hours. Wall time is used only to
 age what other proxies published (at the observed request rate) and for Redis TTLs.
@@ -61,7 +62,7 @@ share is right after a few dozen requests, not after a window's worth.
 **Fleet changes.** A replica that leaves takes its index entries with it and its tenants are
 re-homed (compare-and-set with Redis) on their next request, dropping it from their sets, so it
 gets nothing back when it returns. A replica that joins (or returns) counts as carrying the mean
-load for its first window_requests / 2 requests, falling linearly, so the others do not all look
+load and tenants at first, falling linearly to its own over load_window_requests, so the others do not all look
 over the bound at once (which made every tenant spill onto the cold cache); placement and the
 packing repair (repeated at a quarter period while it finds work) fill it.
 """

@@ -139,11 +139,12 @@ class AffinityConfig(Strict):
     )
     shared_ttl_s: float = Field(600.0, gt=0, description="lifetime of a prefix entry / tenant placement in Redis")
     window_requests: float = Field(
-        500.0, gt=0, description="the policy's memory, in requests over all proxies (not seconds, so the same "
-        "request sequence behaves the same at any rate): time constant of the tenants' traffic shares"
+        3000.0, gt=0, description="the policy's memory, in requests over all proxies (not seconds, so the same "
+        "request sequence behaves the same at any rate): time constant of the tenants' traffic shares (a tenth of it "
+        "for the short estimate that shows a tenant turning hot or cold)"
     )
     load_window_requests: float = Field(
-        300.0, gt=0, description="time constant, in requests over all proxies, of the smoothed per-replica load "
+        1000.0, gt=0, description="time constant, in requests over all proxies, of the smoothed per-replica load "
         "that the bound applies to"
     )
     load_slack: float = Field(
@@ -165,11 +166,11 @@ class AffinityConfig(Strict):
         "proxy has routed this many (decayed) requests"
     )
     move_after_requests: float = Field(
-        100.0, ge=0, description="a tenant whose set changed (placed, moved, grown) is not moved by the packing repair "
+        300.0, ge=0, description="a tenant whose set changed (placed, moved, grown) is not moved by the packing repair "
         "for this many requests"
     )
     cool_down_requests: float = Field(
-        400.0, gt=0, description="a tenant's replica set shrinks only this many requests after it last changed; for "
+        1000.0, gt=0, description="a tenant's replica set shrinks only this many requests after it last changed; for "
         "as long, the packing repair does not move a tenant back where it came from"
     )
     forget_requests: float = Field(
@@ -187,8 +188,8 @@ class AffinityConfig(Strict):
         "beyond it the least recently used are forgotten (clients must not grow its memory without bound)"
     )
     rebalance_every_requests: float = Field(
-        128.0, gt=0, description="period, in requests, of the packing repair (proxy/routing/packing.py): one proxy "
-        "makes at most two changes (a move or a swap each) per period (a quarter period while it finds work), "
+        300.0, gt=0, description="period, in requests, of the packing repair (proxy/routing/packing.py): one proxy "
+        "makes at most two changes (a move or a swap each) per period (sooner after a spill or a fleet change), "
         "evening out the system prompts per cache within the traffic target (1+eps/2) x mean"
     )
 

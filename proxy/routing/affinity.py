@@ -64,7 +64,7 @@ re-homed (compare-and-set with Redis) on their next request, dropping it from th
 gets nothing back when it returns. A replica that joins (or returns) counts as carrying the mean
 load and tenants at first, falling linearly to its own over load_window_requests, so the others do not all look
 over the bound at once (which made every tenant spill onto the cold cache); placement and the
-packing repair (repeated at a quarter period while it finds work) fill it.
+packing repair (brought forward by the change) fill it.
 """
 from __future__ import annotations
 
@@ -88,8 +88,7 @@ log = logging.getLogger("vllm_proxy.affinity")
 _MASK = (1 << 64) - 1
 _RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulators past it
 _CHARS_PER_TOKEN = 4  # to size a system prompt (pin blocks x block_chars) in cache tokens
-_SPILL_REPAIR = 16.0  # a spill brings the packing repair forward to at most this many requests away
-_REPAIR_AGAIN = 0.25  # while the repair finds work it runs again after this part of its period
+_SPILL_REPAIR = 40.0  # a spill brings the packing repair forward to at most this many requests away
 _PLACE_CHOICES = 8  # equally acceptable replicas offered to the shared table for a new tenant
 _PUBLISH_TENANTS = 16384  # tenants up to which this proxy shares its counts with the others' planner
 _GROW_SIGMAS = 2.5  # a set grows on the lower confidence bound of the tenant's share (Poisson)
@@ -97,6 +96,8 @@ _IDLE_GAPS = 6.0  # a tenant is idle after this many of its mean gaps without a 
 _IDLE_SIGMAS = 2.0  # ... of its mean gaps at the low end of its share (Poisson), so a light one is not dropped early
 _PRESENT_GAPS = 3.0  # the packing repair weighs a tenant silent for more of its mean gaps than this down
 _SETTLED = 12.0  # requests of a tenant (decayed, over all proxies) before the packing repair trusts its share
+_FAST = 10.0  # tenant_fast's window is this much shorter than window_requests
+_SHIFTED_SIGMAS = 3.0  # a share over the short window this far from the long one means the tenant changed
 _RATE_EVERY_S = 1.0  # the request rate is measured over this much wall time...
 _RATE_EVERY_REQUESTS = 64.0  # ... or this many requests, whichever comes first
 _START_RATE = 100.0  # requests a second assumed before the first measurement
@@ -165,7 +166,8 @@ class PrefixAffinity:
         # the same over a quarter of the window, this proxy only: where traffic goes now (placement)
         self.recent = DecayedCounts(config.load_window_requests / 4, 0.0)
         self.tenant_rate = DecayedCounts(window, 0.0)  # per pin, and None = all requests
-        self.tenant_fast = DecayedCounts(window / 4, 0.0)  # the same over a quarter window: drift shows here first
+        # the same over a tenth of the window: a tenant turning hot or cold shows here first
+        self.tenant_fast = DecayedCounts(window / _FAST, 0.0)
         self.pins: dict[int, tuple[tuple[str, ...], float]] = shared.pins if shared is not None else {}
         # pin -> (first request, last request, low share estimate at the last, decayed requests before the
         # first in tenant_rate, in tenant_fast)
@@ -513,8 +515,6 @@ class PrefixAffinity:
         others = await shared.other_tenants() if shared is not None else None
         share = self._fleet_share(now, others)
         plan = self._plan(candidates, now, share)
-        if plan:
-            self._next_repair = min(self._next_repair, now + cfg.rebalance_every_requests * _REPAIR_AGAIN)
         for pin, old, new in plan:
             log.info("packing repair: tenant %016x (share %.3f) %s -> %s", pin, share(pin), old[0], new[0])
             self._came_from[pin] = (old[0], now)
@@ -528,7 +528,7 @@ class PrefixAffinity:
         """The packing repair's changes (proxy/routing/packing.py) for the current table, with
         `share(pin)` the tenant's share of the traffic (default: of this proxy's). Idle tenants
         are left out: they neither hold cache room nor carry traffic."""
-        share_of = share or (lambda p: self._estimate(p, now)[0])
+        share_of = share or (lambda p: self._current(p, now))
         n = len(candidates)
         where = {b.name: i for i, b in enumerate(candidates)}
         counts, fixed = [0] * n, [0.0] * n
@@ -724,6 +724,15 @@ class PrefixAffinity:
             return 0.0, 0.0
         return min(scaled.get(pin, 0.0) / total, 1.0), total / counts.factor(now)
 
+    def _current(self, pin: int, now: float) -> float:
+        """The tenant's share over the window, or over its short window when that is clearly
+        different (the tenant turned hot or cold): stable while nothing changes, quick when it does."""
+        share, _ = self._estimate(pin, now)
+        fast, seen = self._estimate(pin, now, True)
+        if abs(fast - share) * math.sqrt(max(seen, 1.0)) > _SHIFTED_SIGMAS * math.sqrt(max(share, 1e-3)):
+            return fast
+        return share
+
     def _may_grow(self, pin: int, size: int, n: int, now: float) -> bool:
         """Enough history, and the tenant alone nearly fills the replicas it has, even at the low
         end of what its share could be, over the window or over its last quarter (a tenant
@@ -753,13 +762,18 @@ class PrefixAffinity:
         """share(pin) over every proxy's requests: this proxy's counts plus the others' published
         ones, counted since the tenant appeared."""
         if not others or others[1] <= 0:
-            return lambda pin: self._estimate(pin, now)[0]
+            return lambda pin: self._current(pin, now)
         rates, total = others
         down = 1.0 / self.tenant_rate.factor(now)
         scaled = self.tenant_rate.scaled
         whole = scaled.get(None, 0.0) * down + total
-        return lambda pin: min((scaled.get(pin, 0.0) * down + rates.get(pin, 0.0))
-                               / max(whole * self._exposure(pin, now), 1e-9), 1.0)
+        def share(pin: int) -> float:
+            fleet = min((scaled.get(pin, 0.0) * down + rates.get(pin, 0.0)) / max(whole * self._exposure(pin, now), 1e-9), 1.0)
+            here = self._estimate(pin, now)[0]
+            current = self._current(pin, now)  # this proxy's view of a change scales the fleet's
+            return fleet if current == here or here <= 0.0 else min(fleet * current / here, 1.0)
+
+        return share
 
     def _tenant_counts(self) -> dict[str, int]:
         """Active (not idle) tenants per replica; recomputed when the table changed, and every

@@ -162,7 +162,7 @@ class PrefixAffinity:
         self._proxies = 1.0  # proxies sharing the traffic (estimated): the clock's step per request here
         self._rate = _START_RATE  # clock units per wall second, measured
         self._rate_mark = (time.time(), 0.0)  # (wall, clock) where the current measurement started
-        self.routed = DecayedCounts(config.load_window_requests, 0.0)  # per backend name
+        self.routed = DecayedCounts(config.load_window_requests, 0.0)  # per backend name, and None = all
         # the same over a quarter of the window, this proxy only: where traffic goes now (placement)
         self.recent = DecayedCounts(config.load_window_requests / 4, 0.0)
         self.tenant_rate = DecayedCounts(window, 0.0)  # per pin, and None = all requests
@@ -281,7 +281,9 @@ class PrefixAffinity:
             chosen, reason = await self._place(candidates, pin, chosen, now)
         elif reason == "grow":
             chosen, reason = await self._change(candidates, pin, chosen, now)
-        self.routed.add(chosen.name, now)
+        up = self.routed.factor(now)
+        self.routed.add(chosen.name, now, up)
+        self.routed.add(None, now, up)
         self.recent.add(chosen.name, now)
         self._note(pin, now)
         if len(self.tenant_rate.scaled) > self._forget_at:
@@ -348,7 +350,7 @@ class PrefixAffinity:
         rates = self.smoothed(candidates, now)
         flights = self.loads(candidates)
         self._fleet_rate = total = sum(rates)
-        local = self.tenant_rate.value(None, now)
+        local = self.routed.value(None, now)  # all this proxy routed, on the same window as `rates`
         if local >= 16.0:  # proxies sharing the traffic: the fleet's routed count over this proxy's
             self._proxies += (min(max(total / local, 1.0), 64.0) - self._proxies) * 0.02
         mean = (total + 1.0) / n

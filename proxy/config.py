@@ -139,12 +139,12 @@ class AffinityConfig(Strict):
     )
     shared_ttl_s: float = Field(600.0, gt=0, description="lifetime of a prefix entry / tenant placement in Redis")
     window_requests: float = Field(
-        3000.0, gt=0, description="the policy's memory, in requests this proxy routes (not seconds, so the same "
+        3000.0, gt=0, description="the policy's memory, in requests over all proxies (not seconds, so the same "
         "request sequence behaves the same at any rate): time constant of the tenants' traffic shares (a tenth of it "
         "for the short estimate that shows a tenant turning hot or cold)"
     )
     load_window_requests: float = Field(
-        1000.0, gt=0, description="time constant, in requests this proxy routes, of the smoothed per-replica load "
+        1000.0, gt=0, description="time constant, in requests over all proxies, of the smoothed per-replica load "
         "that the bound applies to"
     )
     load_slack: float = Field(

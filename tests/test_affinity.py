@@ -493,3 +493,32 @@ def test_a_replica_that_joins_is_filled_gradually() -> None:
     placed = [policy.pins[pin_of(t)][0] for t in newcomers if pin_of(t) in policy.pins]
     assert sum("gpu-4" in p for p in placed) <= len(placed) // 2
 
+
+def test_the_clock_counts_every_proxys_requests() -> None:
+    """With N proxies each routes 1/N of the requests: the clock advances by the number of proxies
+    it infers from the shared load view (on the same window as its own counts), so time constants
+    mean the same number of fleet requests with 1 proxy or 3."""
+
+    class TwoOthers:  # the shared view as two other proxies routing as much as this one
+        pins: dict = {}
+        pins_changed, up, remote_load, rate_tau = 0, False, {}, 1.0
+        remote_rate: dict = {}
+        remote_rate_at = 0.0
+
+        async def longest(self, chain):
+            return None
+
+        def remember(self, hashes, backend):
+            pass
+
+    others = TwoOthers()
+    bs = backends(4)
+    policy = PrefixAffinity(AffinityConfig(), others)  # type: ignore[arg-type]
+    for i in range(600):
+        others.remote_rate = {b.name: 2 * policy.routed.value(b.name, policy.clock) for b in bs}
+        others.remote_rate_at = time.time()
+        pick(policy, bs, chat_request(tenant(i % 7), f"q{i}"))
+    assert 2.7 < policy._proxies < 3.3
+    before = policy.clock
+    pick(policy, bs, chat_request(tenant(1), "one more"))
+    assert policy.clock - before == pytest.approx(policy._proxies, rel=0.05)

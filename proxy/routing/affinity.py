@@ -44,16 +44,13 @@ smoothed + 1 <= (1 + eps) x mean + load_slack x sqrt(mean), so noise in the inst
 counts does not make tenants spill; in-flight counts only act as a guard against a real queue
 (more than ceil((1 + eps) x mean) + queue_slack in flight).
 
-**The policy's time is requests, not seconds.** Its clock advances by one per request this proxy
-routes, and every memory is counted on it: the smoothed load (`load_window_requests`), the
+**The policy's time is requests, not seconds.** Its clock advances by one per request routed over
+all proxies (each proxy advances it by the number of proxies it estimates from the shared load
+view), and every memory is counted on it: the smoothed load (`load_window_requests`), the
 tenants' shares (`window_requests`), warm-up, growth and cool-down, the packing repair's period and its hold on
 recently moved tenants. So the same request sequence behaves the same at 0.1x or 10x the rate,
-and a benchmark's compressed minutes agree with production's hours. With N proxies behind a
-balancer each routes 1/N of the requests, so its windows span N times more of the fleet's: each
-proxy's estimates rest on as many samples as a single proxy's (counting the fleet's requests
-instead left three proxies a third of the samples per window: the fresh-start strong cell fell
-from 0.963 to 0.933 of the bound). Wall time is used only to age what other proxies published (at the observed request
-rate) and for Redis TTLs.
+and a benchmark's compressed minutes agree with production's hours. Wall time is used only to
+age what other proxies published (at the observed request rate) and for Redis TTLs.
 
 **Forgetting.** A tenant with no request for 6 of its mean gaps between requests (at most
 `forget_requests`) is idle: it no longer counts in the tenants per replica that placement, the
@@ -98,7 +95,7 @@ _GROW_SIGMAS = 2.5  # a set grows on the lower confidence bound of the tenant's 
 _IDLE_GAPS = 6.0  # a tenant is idle after this many of its mean gaps without a request (P ~ e^-6 by chance)
 _IDLE_SIGMAS = 2.0  # ... of its mean gaps at the low end of its share (Poisson), so a light one is not dropped early
 _PRESENT_GAPS = 3.0  # the packing repair weighs a tenant silent for more of its mean gaps than this down
-_SETTLED = 12.0  # requests of a tenant (decayed, seen here) before the packing repair trusts its share
+_SETTLED = 12.0  # requests of a tenant (decayed, over all proxies) before the packing repair trusts its share
 _FAST = 10.0  # tenant_fast's window is this much shorter than window_requests
 _SHIFTED_SIGMAS = 3.0  # a share over the short window this far from the long one means the tenant changed
 _RATE_EVERY_S = 1.0  # the request rate is measured over this much wall time...
@@ -160,11 +157,12 @@ class PrefixAffinity:
         self.index = PrefixIndex(config.index_blocks_per_backend)
         self.shared = shared
         window = config.window_requests
-        # the policy's clock: requests this proxy routed, see the module doc
+        # the policy's clock: requests routed over all proxies (estimated), see the module doc
         self.clock = 0.0
+        self._proxies = 1.0  # proxies sharing the traffic (estimated): the clock's step per request here
         self._rate = _START_RATE  # clock units per wall second, measured
         self._rate_mark = (time.time(), 0.0)  # (wall, clock) where the current measurement started
-        self.routed = DecayedCounts(config.load_window_requests, 0.0)  # per backend name
+        self.routed = DecayedCounts(config.load_window_requests, 0.0)  # per backend name, and None = all
         # the same over a quarter of the window, this proxy only: where traffic goes now (placement)
         self.recent = DecayedCounts(config.load_window_requests / 4, 0.0)
         self.tenant_rate = DecayedCounts(window, 0.0)  # per pin, and None = all requests
@@ -283,7 +281,9 @@ class PrefixAffinity:
             chosen, reason = await self._place(candidates, pin, chosen, now)
         elif reason == "grow":
             chosen, reason = await self._change(candidates, pin, chosen, now)
-        self.routed.add(chosen.name, now)
+        up = self.routed.factor(now)
+        self.routed.add(chosen.name, now, up)
+        self.routed.add(None, now, up)
         self.recent.add(chosen.name, now)
         self._note(pin, now)
         if len(self.tenant_rate.scaled) > self._forget_at:
@@ -295,9 +295,9 @@ class PrefixAffinity:
 
     # -- the request clock ------------------------------------------------------------------------
     def _tick(self, wall: float) -> float:
-        """Advance the clock by one request; measure its rate in wall time (only
+        """Advance the clock by one request over all proxies; measure its rate in wall time (only
         used to age what other proxies published)."""
-        self.clock += 1.0
+        self.clock += self._proxies
         since, at = self._rate_mark
         if wall - since >= _RATE_EVERY_S or (self.clock - at >= _RATE_EVERY_REQUESTS and wall > since):
             self._rate = max((self.clock - at) / (wall - since), 1e-3)
@@ -350,6 +350,9 @@ class PrefixAffinity:
         rates = self.smoothed(candidates, now)
         flights = self.loads(candidates)
         self._fleet_rate = total = sum(rates)
+        local = self.routed.value(None, now)  # all this proxy routed, on the same window as `rates`
+        if local >= 16.0:  # proxies sharing the traffic: the fleet's routed count over this proxy's
+            self._proxies += (min(max(total / local, 1.0), 64.0) - self._proxies) * 0.02
         mean = (total + 1.0) / n
         cap = (1.0 + cfg.epsilon) * mean + cfg.load_slack * math.sqrt(mean)  # slack: the count's own noise
         qcap = math.ceil((1.0 + cfg.epsilon) * (sum(flights) + 1) / n) + cfg.queue_slack
@@ -548,7 +551,7 @@ class PrefixAffinity:
                 continue
             fixed[inside[0]] += share
             if (len(members) == 1 and stamp < hold_wall and self._changed.get(pin, -math.inf) < hold
-                    and self.tenant_rate.value(pin, now) >= _SETTLED):
+                    and self.tenant_rate.value(pin, now) * self._proxies >= _SETTLED):
                 singles[inside[0]].append((share, pin))
         for side in singles:
             side.sort()
@@ -682,7 +685,7 @@ class PrefixAffinity:
             entry = self.pins.get(pin)
             return entry is None or (wall - entry[1]) * self._rate > self.config.forget_requests
         gap = now - seen[1]
-        return gap >= self.config.forget_requests or gap * seen[2] >= _IDLE_GAPS
+        return gap >= self.config.forget_requests or gap * seen[2] >= _IDLE_GAPS * self._proxies
 
     def _presence(self, pin: int, now: float) -> float:
         """How likely the tenant still sends, from the gap since its last request: 1 within three of
@@ -691,7 +694,7 @@ class PrefixAffinity:
         seen = self._seen.get(pin)
         if seen is None:
             return 1.0
-        gaps = (now - seen[1]) * seen[2]
+        gaps = (now - seen[1]) * seen[2] / self._proxies
         return 1.0 if gaps <= _PRESENT_GAPS else math.exp(_PRESENT_GAPS - gaps)
 
     def _local_total(self, now: float) -> float:

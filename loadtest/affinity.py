@@ -13,7 +13,7 @@ client-side TTFT and errors.
     python -m loadtest.affinity --policies round_robin,sglang:cache_aware --proxies 1,3 --json out.json
 
 Policies: our proxy's `routing.policy` values, optionally with knobs of the policy's YAML section
-to compare variants side by side (`prefix_affinity+rebalance_interval_s=1+move_after_s=1`; a
+to compare variants side by side (`prefix_affinity+rebalance_every_requests=100+move_after_requests=100`; a
 policy `python -m proxy check` rejects is skipped with its message), or `sglang:<policy>` /
 `vllm-router:<policy>` for peer routers installed in --peers-venv.
 """

@@ -93,11 +93,7 @@ class Fleet:
         started = []
         for i in range(count):
             port = free_port()
-            cmd = [sys.executable, "-m", "proxy", "sim", "--port", str(port), "--model", s.model,
-                   "--num-gpu-blocks", str(s.num_gpu_blocks), "--block-size", str(s.block_size),
-                   "--prefill-ms-per-token", str(s.prefill_ms_per_token), "--itl-ms", str(s.itl_ms),
-                   "--time-scale", str(s.time_scale), "--max-num-seqs", str(s.max_num_seqs)]
-            started.append((self.spawn(f"sim{i}", cmd), f"http://{HOST}:{port}"))
+            started.append((self.spawn(f"sim{i}", replica_cmd(port, s)), f"http://{HOST}:{port}"))
         for proc, url in started:
             self.wait_ready(proc, url + "/health")
             self.replicas.append(url)
@@ -116,12 +112,13 @@ class Fleet:
         return out
 
     # --- routers -----------------------------------------------------------------------------
-    def start_proxies(self, count: int, policy: str, redis_url: str) -> None:
+    def start_proxies(self, count: int, policy: str, redis_url: str, replicas: list[str] | None = None,
+                      extra: str = "") -> None:
         started = []
         for i in range(count):
             port = free_port()
             cfg = self.tmp / f"proxy{i}.yaml"
-            cfg.write_text(proxy_config(port, self.replicas, policy, redis_url))
+            cfg.write_text(proxy_config(port, replicas or self.replicas, policy, redis_url) + extra)
             cmd = [sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--port", str(port)]
             started.append((self.spawn(f"proxy{i}", cmd), f"http://{HOST}:{port}"))
         for proc, url in started:
@@ -141,8 +138,15 @@ class Fleet:
             self.routers.append(url)
 
 
+def replica_cmd(port: int, s: SimSettings) -> list[str]:
+    return [sys.executable, "-m", "proxy", "sim", "--port", str(port), "--model", s.model,
+            "--num-gpu-blocks", str(s.num_gpu_blocks), "--block-size", str(s.block_size),
+            "--prefill-ms-per-token", str(s.prefill_ms_per_token), "--itl-ms", str(s.itl_ms),
+            "--time-scale", str(s.time_scale), "--max-num-seqs", str(s.max_num_seqs)]
+
+
 def proxy_config(port: int, replicas: list[str], policy: str, redis_url: str) -> str:
-    """`policy` may carry knobs of its YAML section: "prefix_affinity+move_after_s=5+epsilon=0.2"."""
+    """`policy` may carry knobs of its YAML section: "prefix_affinity+move_after_requests=100+epsilon=0.2"."""
     name, *knobs = policy.split("+")
     section = ", ".join(k.replace("=", ": ", 1) for k in knobs)
     routing = f"{{policy: {name}, {name}: {{{section}}}}}" if knobs else f"{{policy: {name}}}"

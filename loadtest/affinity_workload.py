@@ -39,6 +39,11 @@ class WorkloadSpec:
     max_tokens: int = 8
     model: str = "bench-model"
     seed: int = 0
+    # the drift benchmark (loadtest.affinity_drift): prompts drawn from their own seed, so one
+    # population can be replayed with other requests; tenant i gets the popularity of rank
+    # (i + rotate) mod tenants (a popularity swap inside one population)
+    prompt_seed: int | None = None
+    rotate: int = 0
 
 
 @dataclass
@@ -90,9 +95,11 @@ def sim_reply(spec: WorkloadSpec, body: dict, models: Models) -> str:
 
 
 def generate(spec: WorkloadSpec) -> Workload:
-    rng = random.Random(spec.seed)
+    rng = random.Random(spec.seed if spec.prompt_seed is None else spec.prompt_seed)
     prompts = [f"Tenant {i}: " + _words(rng, spec.system_chars) for i in range(spec.tenants)]
-    weights = [1.0 / (i + 1) ** spec.skew for i in range(spec.tenants)]
+    if spec.prompt_seed is not None:
+        rng = random.Random(spec.seed)
+    weights = [1.0 / ((i + spec.rotate) % spec.tenants + 1) ** spec.skew for i in range(spec.tenants)]
     models = Models(SimConfig(model=spec.model))
     open_convs: list[list[Turn]] = [[] for _ in range(spec.tenants)]  # last turn of each open conversation
     turns: list[Turn] = []

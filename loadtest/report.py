@@ -10,6 +10,9 @@ Scenarios (each through its module's functions, in this process unless noted):
                     at c=1, 8, 32 (the concurrency sweep) and streaming at c=16.
   affinity          loadtest.affinity's cells (2 shapes x 3 policies x {1, 3} proxies); the
                     per-request TTFT samples are kept for the CDF plot.
+  drift             loadtest.affinity_drift's phases back to back on the same running proxies
+                    (fresh populations, a popularity swap, a replica joining and one leaving),
+                    prefix_affinity and round robin, 1 and 3 proxies; each phase reported.
   lora              loadtest.lora's modes (round_robin, least_loaded, lora_aware).
   faults            4 simulated replicas behind one proxy (least_loaded, first-byte timeout
                     0.5 s, discovery polling every 30 s so retries and passive ejection carry it):
@@ -43,11 +46,11 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest import affinity, lora, overhead
+from loadtest import affinity, affinity_drift, lora, overhead
 from loadtest.affinity_fleet import HOST, Fleet, SimSettings, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIO_NAMES = ["overhead", "affinity", "lora", "faults", "routing_decision"]
+SCENARIO_NAMES = ["overhead", "affinity", "drift", "lora", "faults", "routing_decision"]
 # the overhead concurrency sweep adds c=8 to loadtest.overhead's own scenarios
 SWEEP = [("plain_c1", False, 1), ("plain_c8", False, 8), ("plain_c32", False, 32)]
 OVERHEAD_SCENARIOS = SWEEP + [s for s in overhead.SCENARIOS if s[0] not in {n for n, _, _ in SWEEP}]
@@ -56,11 +59,13 @@ OVERHEAD_SCENARIOS = SWEEP + [s for s in overhead.SCENARIOS if s[0] not in {n fo
 PRESETS = {
     "quick": {"overhead": {"duration": 3, "rounds": 1, "warmup": 1},
               "affinity": ["--quick"],
+              "drift": ["--requests", "300"],
               "lora": {"duration": 8.0},
               "faults": {"requests": 200, "concurrency": 8},
               "routing_decision": {"requests": 2000}},
     "full": {"overhead": {"duration": 5, "rounds": 3, "warmup": 1},
              "affinity": [],
+             "drift": [],
              "lora": {"duration": 30.0},
              "faults": {"requests": 1000, "concurrency": 8},
              "routing_decision": {"requests": 20000}},
@@ -258,6 +263,25 @@ def run_affinity(argv: list[str], ctx: dict, prog: Progress) -> dict:
             "failures": failures, "logs": str(tmp)}
 
 
+# --- drift ------------------------------------------------------------------------------------
+def run_drift(argv: list[str], ctx: dict, prog: Progress) -> dict:
+    """loadtest.affinity_drift's live runs (seed 0), one per policy and proxy count."""
+    args = affinity_drift.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="report-drift-"))
+    todo = [(p, int(r)) for p in args.policies.split(",") if p for r in args.proxies.split(",") if r]
+    runs, failures = [], []
+    for k, (policy, routers) in enumerate(todo):
+        prog.step(k, len(todo), f"{policy} x{routers}")
+        try:
+            runs.append({"policy": policy, "routers": routers,
+                         "phases": affinity_drift.live(args, 0, policy, routers, tmp)})
+        except Exception as exc:  # noqa: BLE001 - report the run and go on
+            failures.append(failure(exc, policy=policy, routers=routers))
+            prog.note(f"[fail] drift {policy} x{routers}: {brief(exc)}")
+    return {"config": {k: v for k, v in vars(args).items() if k != "json"}, "runs": runs, "failures": failures,
+            "logs": str(tmp)}
+
+
 # --- lora -------------------------------------------------------------------------------------
 def run_lora(knobs: dict, ctx: dict, prog: Progress) -> dict:
     args = lora.parse_args(["--duration", str(knobs["duration"])])
@@ -445,6 +469,7 @@ def run_routing_decision(knobs: dict, ctx: dict, prog: Progress) -> dict:
 RUNNERS = {
     "overhead": run_overhead,
     "affinity": run_affinity,
+    "drift": run_drift,
     "lora": run_lora,
     "faults": run_faults,
     "routing_decision": run_routing_decision,
@@ -532,6 +557,26 @@ def section_affinity(r: dict) -> list[str]:
     return out
 
 
+def section_drift(r: dict) -> list[str]:
+    cfg = r["config"]
+    out = [f"Drift: phases of {cfg['requests']} requests back to back on the same running proxies and replicas "
+           "(no restart, no Redis flush): " + ", ".join(p.name for p in affinity_drift.PHASES) + " (see "
+           "loadtest/affinity_drift.py). Per phase, over all of it including its first requests: *share* of its "
+           "own pooled bound (cached prompt tokens from the responses' usage), *max/mean* requests over the live "
+           f"replicas, client TTFT; sim latency x{cfg['time_scale']:g}.", ""]
+    rows = []
+    for run in r["runs"]:
+        for ph in run["phases"]:
+            rows.append([run["policy"], str(run["routers"]), ph["phase"], f"{ph['share']:.3f}",
+                         f"{ph['max_over_mean']:.2f}", fmt_ms(ph["ttft_p50_ms"]), fmt_ms(ph["ttft_p99_ms"]),
+                         str(ph["errors"]), " / ".join(map(str, ph["per_replica"]))])
+    out += [md_table(["policy", "proxies", "phase", "share", "max/mean", "TTFT p50 ms", "TTFT p99 ms", "errors",
+                      "requests per live replica"], rows, right={1, 3, 4, 5, 6, 7}), ""]
+    for f in r.get("failures", []):
+        out.append(f"- failed run {f['policy']} x{f['routers']}: `{one_line(f['error'])}`")
+    return out
+
+
 def section_lora(r: dict) -> list[str]:
     cfg = r["config"]
     out = [f"LoRA placement: {cfg['adapters']} adapters (Zipf {cfg['skew']}) over {cfg['replicas']} simulated replicas "
@@ -585,6 +630,7 @@ def section_routing(r: dict) -> list[str]:
 
 
 SECTIONS = {"overhead": ("Forwarding overhead", section_overhead), "affinity": ("Prefix affinity", section_affinity),
+            "drift": ("Prefix affinity under drift", section_drift),
             "lora": ("LoRA placement", section_lora), "faults": ("Faults", section_faults),
             "routing_decision": ("Routing decision", section_routing)}
 

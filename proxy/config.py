@@ -244,11 +244,18 @@ class AffinityConfig(Strict):
         "260 k tokens, a large vLLM KV cache); a bigger index only remembers what the replica evicted",
     )
     shared_ttl_s: float = Field(600.0, gt=0, description="lifetime of a prefix entry / tenant placement in Redis")
-    load_window_s: float = Field(
-        30.0, gt=0, description="time constant of the smoothed load (decayed count of requests routed per replica)"
+    window_requests: float = Field(
+        3000.0, gt=0, description="the policy's memory, in requests over all proxies (not seconds, so the same "
+        "request sequence behaves the same at any rate): time constant of the tenants' traffic shares (a tenth of it "
+        "for the short estimate that shows a tenant turning hot or cold)"
+    )
+    load_window_requests: float = Field(
+        1000.0, gt=0, description="time constant, in requests over all proxies, of the smoothed per-replica load "
+        "that the bound applies to"
     )
     load_slack: float = Field(
-        8.0, ge=0, description="requests a replica may exceed the (1+eps) x mean bound by (absorbs noise and warm-up)"
+        1.0, ge=0, description="standard deviations of a replica's smoothed count (sqrt of the mean) it may exceed "
+        "the (1+eps) x mean bound by: the count's own noise is no reason to spill"
     )
     continuation_slack: float = Field(
         0.1, ge=0, description="extra relative headroom a conversation's continuation gets on the replica holding it"
@@ -264,12 +271,18 @@ class AffinityConfig(Strict):
         32.0, ge=0, description="no replica set grows, and no tenant spills short of a real queue, before this "
         "proxy has routed this many (decayed) requests"
     )
-    move_after_s: float = Field(
-        2.0, ge=0, description="a tenant the packing repair moved stays put at least this long"
+    move_after_requests: float = Field(
+        300.0, ge=0, description="a tenant whose set changed (placed, moved, grown) is not moved by the packing repair "
+        "for this many requests"
     )
-    cool_down_s: float = Field(
-        30.0, gt=0, description="a tenant's replica set shrinks only this long after it last changed; for as long, "
-        "the packing repair does not move a tenant back where it came from"
+    cool_down_requests: float = Field(
+        1000.0, gt=0, description="a tenant's replica set shrinks only this many requests after it last changed; for "
+        "as long, the packing repair does not move a tenant back where it came from"
+    )
+    forget_requests: float = Field(
+        2000.0, gt=0, description="a tenant with no request for this many requests (sooner for a busy one: 6 of its "
+        "mean gaps between requests) stops counting in placement, cache room and the packing repair; when it comes "
+        "back it is placed anew unless its replica still has room"
     )
     cache_fill: float = Field(
         0.65, gt=0, le=1, description="share of a replica's prefix cache (vllm:cache_config_info) that tenants' "
@@ -280,10 +293,10 @@ class AffinityConfig(Strict):
         100_000, ge=16, description="tenants (distinct system prompts) this proxy keeps placements and rates for: "
         "beyond it the least recently used are forgotten (clients must not grow its memory without bound)"
     )
-    rebalance_interval_s: float = Field(
-        2.0, gt=0, description="period of the packing repair (proxy/routing/packing.py): one proxy makes at most "
-        "two changes (a move or a swap each) per period, evening out the system prompts per cache within the "
-        "traffic target (1+eps/2) x mean"
+    rebalance_every_requests: float = Field(
+        300.0, gt=0, description="period, in requests, of the packing repair (proxy/routing/packing.py): one proxy "
+        "makes at most two changes (a move or a swap each) per period (sooner after a spill or a fleet change), "
+        "evening out the system prompts per cache within the traffic target (1+eps/2) x mean"
     )
 
 

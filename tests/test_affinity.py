@@ -102,8 +102,8 @@ def test_membership_change_moves_only_the_keys_that_must_move() -> None:
 
 def test_hot_prefix_spills_within_the_load_bound() -> None:
     bs = backends(4)
-    # slack of one request, no warm-up room (growth allowed from the first request)
-    policy = PrefixAffinity(AffinityConfig(epsilon=0.1, load_slack=1, grow_min_requests=0))
+    # no slack, no warm-up room (growth allowed from the first request)
+    policy = PrefixAffinity(AffinityConfig(epsilon=0.1, load_slack=0, grow_min_requests=0))
     request = chat_request(tenant(7), "hello")
     reasons = []
     for _ in range(40):  # requests pile up (none finishes): load must stay within the bound
@@ -122,20 +122,20 @@ def test_packing_repair_moves_a_tenant_out_of_a_crowded_cache() -> None:
     bs = backends(4)
     for b in bs:
         b.cache_tokens = 100_000
-    policy = PrefixAffinity(AffinityConfig(move_after_s=0, grow_min_requests=0))
-    now = time.time()
+    policy = PrefixAffinity(AffinityConfig(move_after_requests=0, grow_min_requests=0))
+    now, wall = policy.clock, time.time()
     sets = {1: ("gpu-0", "gpu-1"), 2: ("gpu-2",), 3: ("gpu-2",), 4: ("gpu-2",), 5: ("gpu-2",), 6: ("gpu-3",)}
     shares = {1: 0.4, 2: 0.17, 3: 0.01, 4: 0.01, 5: 0.01, 6: 0.2}  # every replica has 0.2 of the traffic
     for pin, members in sets.items():
-        policy.pins[pin] = (members, now - 10)
-        policy.tenant_rate.add(pin, now, shares[pin])
-    policy.tenant_rate.add(None, now, 1.0)
+        policy.pins[pin] = (members, wall - 1)
+        policy.tenant_rate.add(pin, now, shares[pin] * 2000)  # requests (decayed)
+    policy.tenant_rate.add(None, now, 2000.0)
     policy._prompt_chars = 130_000.0  # ~32 k tokens: a cache keeps 2 prompts, an even spread is 1.75
     plan = policy._plan(bs, now)
     assert plan and all(old == ("gpu-2",) and pin in (3, 4, 5) for pin, old, _ in plan)
     for _ in range(4):
         for pin, old, new in policy._plan(bs, now):
-            policy.pins[pin] = (new, now - 10)
+            policy.pins[pin] = (new, wall - 1)
     counts = policy._tenant_counts()
     assert max(counts.values()) <= 2 and policy.pins[1][0] == ("gpu-0", "gpu-1")
     assert policy._plan(bs, now) == []
@@ -273,7 +273,7 @@ def test_packing_repair_sees_every_proxys_tenant_counts(redis_db, redis_url) -> 
             assert total == pytest.approx(40.0, rel=0.01) and rates[7] == pytest.approx(30.0, rel=0.01)
             assert await a.other_tenants() == ({}, 0.0)  # its own counts are not "others"
             policy = PrefixAffinity(AffinityConfig())
-            now = time.time()
+            now = policy.clock  # the policy's time: requests
             policy.tenant_rate.add(8, now, 10.0)
             policy.tenant_rate.add(None, now, 10.0)  # this proxy saw only tenant 8
             share = policy._fleet_share(now, (rates, total))
@@ -361,7 +361,7 @@ def test_distinct_system_prompts_do_not_grow_memory_without_bound() -> None:
 
 
 def test_packing_does_not_undo_a_recent_move() -> None:
-    """A tenant moved by the repair is not moved back where it came from (for cool_down_s):
+    """A tenant moved by the repair is not moved back where it came from (for cool_down_requests):
     noisy share estimates would otherwise make it flip between two replicas."""
     packing = Packing([2.0] * 3, [1.0] * 3, 1.05 / 3, [])
     crowded = Layout([3, 2, 1], [0.3, 0.4, 0.3], [[(0.1, 1), (0.1, 2), (0.1, 3)], [(0.2, 4), (0.2, 5)], [(0.3, 6)]])
@@ -382,3 +382,148 @@ def test_offline_replay_measures_the_policy() -> None:
     spread = replay("strong", 0, 800, {"epsilon": 0.01, "load_slack": 0, "grow_min_requests": 0,
                                       "continuation_slack": 0}, rate=160.0, concurrency=16)
     assert spread["share"] < result["share"]
+
+
+# -- adapting: time in requests, forgetting, drift, fleet changes -----------------------------------
+def test_decayed_counts_keep_their_scale_across_a_renormalisation() -> None:
+    """An add that renormalises the accumulators must land in the renormalised table (it once
+    added the pre-renormalisation value, e^40 too large: that replica looked overloaded for as
+    long again)."""
+    from proxy.routing.affinity import DecayedCounts
+
+    counts = DecayedCounts(1.0, 0.0)
+    counts.add("a", 0.0)
+    counts.add("a", 50.0)  # 50 time constants later: renormalises inside add
+    assert counts.value("a", 50.0) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_same_sequence_routes_the_same_at_any_request_rate() -> None:
+    """The policy's memory counts requests, not seconds: the benchmark's workload replayed at
+    16 and at 1600 requests a second makes the same decisions."""
+    from loadtest.affinity_replay import replay
+
+    slow = replay("strong", 3, 600, {}, rate=16.0, concurrency=16)
+    fast = replay("strong", 3, 600, {}, rate=1600.0, concurrency=16)
+    assert slow == fast
+
+
+def drive(policy: PrefixAffinity, bs: list[Backend], tenants: list[str], weights: list[float], count: int,
+          seed: int = 0) -> list[tuple[str, str, str]]:
+    """`count` single-turn requests of `tenants` (by weight); (tenant, replica, reason) of each."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        who = rng.choices(tenants, weights)[0]
+        name, reason = pick(policy, bs, chat_request(who, f"question {seed} {k}"))
+        out.append((who, name, reason))
+    return out
+
+
+def pin_of(system: str) -> int:
+    return prefix_key(True, chat_request(system, "x").data, MODEL, 256, 64).pin
+
+
+def test_tenants_that_stop_sending_stop_counting_within_requests() -> None:
+    """A population that leaves stops steering placement within a few hundred requests (not a
+    TTL); one of its tenants that comes back is placed again and counted from scratch."""
+    bs = backends(4)
+    policy = PrefixAffinity(AffinityConfig())
+    old = [f"old tenant {i} " * 40 for i in range(8)]
+    new = [f"new tenant {i} " * 40 for i in range(8)]
+    drive(policy, bs, old, [1.0] * 8, 600)
+    assert sum(policy._tenant_counts().values()) == 8
+    drive(policy, bs, new, [1.0] * 8, 300, seed=1)
+    counts = policy._tenant_counts()
+    assert sum(counts.values()) == 8  # only the new population counts
+    now = policy.clock
+    assert all(policy._idle(pin_of(t), now, time.time()) for t in old)
+    back = pin_of(old[0])
+    pick(policy, bs, chat_request(old[0], "I am back"))
+    assert not policy._idle(back, policy.clock, time.time())
+    assert policy.tenant_rate.value(back, policy.clock) == pytest.approx(1.0)  # counted from scratch
+
+
+def test_a_tenant_turning_hot_grows_within_hundreds_of_requests_and_shrinks_back() -> None:
+    bs = backends(4)
+    policy = PrefixAffinity(AffinityConfig())
+    light = [f"light tenant {i} " * 40 for i in range(10)]
+    hot = "the hot tenant " * 40
+    drive(policy, bs, light + [hot], [1.0] * 10 + [0.2], 400)  # hot is 2 % of the traffic
+    assert len(policy.pins[pin_of(hot)][0]) == 1
+    drive(policy, bs, light + [hot], [1.0] * 10 + [10.0], 300, seed=1)  # now 50 %
+    grown = policy.pins[pin_of(hot)][0]
+    assert len(grown) >= 2
+    drive(policy, bs, light + [hot], [1.0] * 10 + [0.2], 900, seed=2)  # cools down again
+    assert len(policy.pins[pin_of(hot)][0]) == 1
+
+
+def test_a_replica_that_leaves_rehomes_only_its_tenants_and_gets_none_back() -> None:
+    bs = backends(4)
+    policy = PrefixAffinity(AffinityConfig())
+    tenants = [f"tenant of the fleet {i} " * 40 for i in range(24)]
+    drive(policy, bs, tenants, [1.0] * 24, 480)
+    homes = {t: policy.pins[pin_of(t)][0] for t in tenants}
+    policy._plan = lambda *args: []  # the packing repair may even out afterwards; re-homing alone is checked
+    left = bs[1]
+    rest = [b for b in bs if b is not left]
+    for t in tenants:
+        pick(policy, rest, chat_request(t, "after the replica left"))
+    after = {t: policy.pins[pin_of(t)][0] for t in tenants}
+    for t in tenants:
+        if left.name in homes[t]:
+            assert left.name not in after[t] and after[t]
+        else:
+            assert after[t] == homes[t]  # nobody else moved
+    drive(policy, bs, tenants, [1.0] * 24, 48, seed=3)  # it comes back: no flapping onto it
+    assert all(left.name not in policy.pins[pin_of(t)][0] or left.name not in homes[t] for t in tenants)
+
+
+def test_a_replica_that_joins_is_filled_gradually() -> None:
+    """A cold replica joining counts as carrying the mean load at first (falling over a load
+    window): the others do not all look over the bound at once, and it does not take every new
+    tenant while its traffic is still zero."""
+    bs = backends(5)
+    policy = PrefixAffinity(AffinityConfig())
+    tenants = [f"tenant before the join {i} " * 40 for i in range(16)]
+    drive(policy, bs[:4], tenants, [1.0] * 16, 600)
+    rates = policy.smoothed(bs, policy.clock)
+    assert rates[4] == 0.0
+    newcomers = [f"tenant after the join {i} " * 40 for i in range(20)]
+    served = drive(policy, bs, tenants + newcomers, [1.0] * 36, 40, seed=4)
+    rates = policy.smoothed(bs, policy.clock)
+    assert rates[4] >= 0.8 * sum(rates[:4]) / 4  # ramped, not zero
+    assert sum(1 for _, name, reason in served if name == "gpu-4" and reason == "spill") == 0
+    placed = [policy.pins[pin_of(t)][0] for t in newcomers if pin_of(t) in policy.pins]
+    assert sum("gpu-4" in p for p in placed) <= len(placed) // 2
+
+
+def test_the_clock_counts_every_proxys_requests() -> None:
+    """With N proxies each routes 1/N of the requests: the clock advances by the number of proxies
+    it infers from the shared load view (on the same window as its own counts), so time constants
+    mean the same number of fleet requests with 1 proxy or 3."""
+
+    class TwoOthers:  # the shared view as two other proxies routing as much as this one
+        pins: dict = {}
+        pins_changed, up, remote_load, rate_tau = 0, False, {}, 1.0
+        remote_rate: dict = {}
+        remote_rate_at = 0.0
+
+        async def longest(self, chain):
+            return None
+
+        def remember(self, hashes, backend):
+            pass
+
+    others = TwoOthers()
+    bs = backends(4)
+    policy = PrefixAffinity(AffinityConfig(), others)  # type: ignore[arg-type]
+    for i in range(600):
+        others.remote_rate = {b.name: 2 * policy.routed.value(b.name, policy.clock) for b in bs}
+        others.remote_rate_at = time.time()
+        pick(policy, bs, chat_request(tenant(i % 7), f"q{i}"))
+    assert 2.7 < policy._proxies < 3.3
+    before = policy.clock
+    pick(policy, bs, chat_request(tenant(1), "one more"))
+    assert policy.clock - before == pytest.approx(policy._proxies, rel=0.05)

@@ -34,7 +34,7 @@ _ROOM_COST = 0.02
 _LOAD_WEIGHT = 5.0
 _SPREAD_COST = 50.0
 _MOVE_COST = 0.005
-_MIN_GAIN = 0.01
+_MIN_GAIN = 0.02
 _WORK = 4000  # layouts evaluated per repair x replicas (each costs O(replicas)): bounds its time
 _BEAM = 6  # first changes explored a second step deep
 

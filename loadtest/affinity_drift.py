@@ -1,0 +1,349 @@
+"""Drift benchmark: phases back to back on the same running proxies, each reported on its own.
+
+A production proxy runs for weeks while its workload changes under it. Here one fleet (simulated
+replicas whose caches hold only part of each population's system prompts) and one set of
+proxies (1 or 3, sharing a private Redis) live through phases without a restart or a flush:
+
+    many   a fresh population: many tenants, mild skew
+    few    a fresh population: few tenants, strong skew, long prompts
+    few2   another population of that shape
+    swap   the same population, popularity rotated (the hot tenant goes cold, a cold one hot)
+    join   a fresh population of a shape in between; a fifth replica joins (cold cache) at its start
+    leave  the same population; one of the first four replicas leaves at its start
+
+Per phase: the fleet's prefix-cache hit rate (tokens cached / prompt tokens, from each response's
+usage) over its own pooled bound (one LRU cache of the phase's fleet size replaying the previous
+phase and this one, in send order), max/mean requests per live replica, and client TTFT p50/p99;
+all over the whole phase, including its first requests.
+
+    python -m loadtest.affinity_drift                      # prefix_affinity + round robin, 1 and 3 proxies
+    python -m loadtest.affinity_drift --time-scale 10      # the same at a tenth of the rate
+    python -m loadtest.affinity_drift --offline --seeds 0-7    # the policy alone on a request clock (seconds)
+
+`--offline` routes every request through `PrefixAffinity.pick` (one proxy, no Redis, no timing)
+and replays each replica's requests through the sim's cache: deterministic, for comparing policy
+changes over many seeds. Since the policy counts time in requests, `--rate` does not change it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from loadtest.affinity import percentile
+from loadtest.affinity_bound import token_hit_rate
+from loadtest.affinity_client import run_load
+from loadtest.affinity_fleet import HOST, Fleet, SimSettings, check_policy, free_port, replica_cmd
+from loadtest.affinity_replay import seeds
+from loadtest.affinity_workload import Workload, WorkloadSpec, generate
+from proxy.sim import protocol
+from proxy.sim.app import SimApp
+from proxy.sim.config import SimConfig
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    tenants: int
+    skew: float
+    system_chars: int
+    population: int  # phases with the same population share prompts
+    rotate: int = 0  # popularity rotation inside the population
+    replicas: tuple[int, ...] = (0, 1, 2, 3)  # live replicas during the phase
+
+
+PHASES = (
+    Phase("many", 40, 0.6, 4000, 1),
+    Phase("few", 12, 1.2, 8000, 2),
+    Phase("few2", 12, 1.2, 8000, 3),
+    Phase("swap", 12, 1.2, 8000, 3, rotate=6),
+    Phase("join", 24, 0.9, 5000, 4, replicas=(0, 1, 2, 3, 4)),
+    Phase("leave", 24, 0.9, 5000, 4, rotate=0, replicas=(0, 2, 3, 4)),
+)
+REPLICAS = 5
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtest.affinity_drift", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--requests", type=int, default=800, help="requests per phase")
+    add("--phases", default=",".join(ph.name for ph in PHASES))
+    add("--seeds", default="0", help="a range (0-3) or a comma list; each seed is a separate run")
+    add("--policies", default="prefix_affinity,round_robin")
+    add("--proxies", default="1,3")
+    add("--concurrency", type=int, default=16)
+    add("--max-tokens", type=int, default=8)
+    add("--cache-chars", type=int, default=48000,
+        help="each replica's prefix cache, in characters of prompt (~1.2-2x less than a population's prompts)")
+    add("--block-size", type=int, default=16)
+    add("--prefill-ms-per-token", type=float, default=0.05)
+    add("--itl-ms", type=float, default=10.0)
+    add("--time-scale", type=float, default=1.0, help="sim latency multiplier: 10 runs the same at a tenth of the rate")
+    add("--max-num-seqs", type=int, default=8)
+    add("--offline", action="store_true")
+    add("--knobs", default="{}", help="routing.prefix_affinity settings as JSON (offline)")
+    add("--rate", type=float, default=160.0, help="offline: requests a second on the simulated clock")
+    add("--json", help="write all results to this file")
+    return p.parse_args(argv)
+
+
+def workloads(args: argparse.Namespace, seed: int) -> list[tuple[Phase, Workload]]:
+    chosen = [ph for ph in PHASES if ph.name in args.phases.split(",")]
+    out = []
+    for k, ph in enumerate(chosen):
+        spec = WorkloadSpec(tenants=ph.tenants, skew=ph.skew, system_chars=ph.system_chars, requests=args.requests,
+                            max_tokens=args.max_tokens, seed=1000 * seed + k, prompt_seed=1000 * seed + 100 + ph.population,
+                            rotate=ph.rotate)
+        out.append((ph, generate(spec)))
+    return out
+
+
+def blocks_per_replica(args: argparse.Namespace) -> int:
+    return max(args.cache_chars // args.block_size, 1)
+
+
+class Caches:
+    """Sim prefix caches fed one request at a time (one per replica, or one pooled); each keeps
+    its contents across phases, as a running replica does."""
+
+    def __init__(self, model: str, block_size: int) -> None:
+        self.model, self.block_size = model, block_size
+        self.apps: dict[object, SimApp] = {}
+
+    def reset(self, key: object, blocks: int) -> None:
+        self.apps[key] = SimApp(SimConfig(model=self.model, block_size=self.block_size, num_gpu_blocks=blocks,
+                                          time_scale=0, max_num_seqs=1))
+
+    async def feed(self, key: object, body: dict) -> tuple[int, int]:
+        app = self.apps[key]
+        stats = app.engine.stats
+        hits, queries = stats.prefix_hits, stats.prefix_queries
+        await app.engine.execute(protocol.parse_chat(body, app.models))
+        return stats.prefix_hits - hits, stats.prefix_queries - queries
+
+
+def pooled(phases: list[tuple[Phase, Workload, list[int]]], args: argparse.Namespace) -> list[list[tuple[int, int]]]:
+    """Per phase, per request in send order: (hit, queried) tokens of one pooled cache of that
+    phase's fleet size, warmed with the previous phase's requests."""
+    model = phases[0][1].spec.model
+    caches = Caches(model, args.block_size)
+    out = []
+
+    async def run() -> None:
+        previous: list[dict] = []
+        for ph, workload, order in phases:
+            caches.reset("pool", blocks_per_replica(args) * len(ph.replicas))
+            for body in previous:
+                await caches.feed("pool", body)
+            bodies = [workload.turns[i].body(workload.spec) for i in order]
+            out.append([await caches.feed("pool", body) for body in bodies])
+            previous = bodies
+
+    asyncio.run(run())
+    return out
+
+
+def summarize(ph: Phase, served: list[str], mine: list[tuple[int, int]], bound: list[tuple[int, int]],
+              ttft: list[float], errors: int = 0) -> dict:
+    counts = Counter(served)
+    live = [f"r{i}" for i in ph.replicas]
+    per = [counts.get(name, 0) for name in live]
+    mean = sum(per) / len(per) if per else 0.0
+    hit, best = token_hit_rate(mine), token_hit_rate(bound)
+    return {"phase": ph.name, "hit": hit, "bound": best, "share": hit / best if best else float("nan"),
+            "max_over_mean": max(per) / mean if mean else float("nan"), "per_replica": per,
+            "elsewhere": sum(v for k, v in counts.items() if k not in live),
+            "ttft_p50_ms": percentile(ttft, 0.5) * 1000, "ttft_p99_ms": percentile(ttft, 0.99) * 1000,
+            "errors": errors}
+
+
+# -- offline ---------------------------------------------------------------------------------------
+def offline(args: argparse.Namespace, seed: int) -> list[dict]:
+    import proxy.routing.affinity as affinity_module
+    from loadtest.affinity_replay import SimulatedClock
+    from proxy.config import AffinityConfig, BackendConfig
+    from proxy.parse import CHAT, parse_request
+    from proxy.routing.backends import Backend
+    from proxy.routing.catalog import Route
+
+    phases = workloads(args, seed)
+    model = phases[0][1].spec.model
+    tokens = blocks_per_replica(args) * args.block_size
+    backends = []
+    for i in range(REPLICAS):
+        backend = Backend(BackendConfig(name=f"r{i}", url=f"http://127.0.0.1:{9000 + i}"))
+        backend.healthy, backend.cache_tokens = True, tokens
+        backends.append(backend)
+    route = Route(name=model, model=model, adapter=None, backends=tuple(backends))
+    clock, real_time = SimulatedClock(), affinity_module.time
+    affinity_module.time = clock  # type: ignore[assignment]
+    caches = Caches(model, args.block_size)
+    results: list[tuple[Phase, Workload, list[int]]] = []
+    mine: list[list[tuple[int, int]]] = []
+    served: list[list[str]] = []
+    try:
+        policy = affinity_module.PrefixAffinity(AffinityConfig(**json.loads(args.knobs)))
+        in_flight: deque[Backend] = deque()
+
+        async def route_all() -> None:
+            live: set[int] = set()
+            for ph, workload in phases:
+                for i in set(ph.replicas) - live:
+                    caches.reset(i, blocks_per_replica(args))  # joins cold
+                live = set(ph.replicas)
+                candidates = [backends[i] for i in sorted(live)]
+                while in_flight:
+                    in_flight.popleft().in_flight -= 1
+                hits, names = [], []
+                for turn in workload.turns:
+                    clock.now += 1.0 / args.rate
+                    if len(in_flight) >= args.concurrency:
+                        in_flight.popleft().in_flight -= 1
+                    body = turn.body(workload.spec)
+                    backend, _ = await policy.pick(candidates, parse_request(CHAT, orjson.dumps(body)), route)
+                    if policy._repairing is not None and not policy._repairing.done():
+                        await policy._repairing
+                    backend.in_flight += 1
+                    in_flight.append(backend)
+                    names.append(backend.name)
+                    hits.append(await caches.feed(backends.index(backend), body))
+                results.append((ph, workload, list(range(len(workload.turns)))))
+                mine.append(hits)
+                served.append(names)
+
+        asyncio.run(route_all())
+    finally:
+        affinity_module.time = real_time  # type: ignore[assignment]
+    bound = pooled(results, args)
+    return [summarize(ph, served[k], mine[k], bound[k], []) for k, (ph, _, _) in enumerate(results)]
+
+
+# -- live ------------------------------------------------------------------------------------------
+def backend_up(router: str, name: str) -> bool | None:
+    with urllib.request.urlopen(router + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith(f'vllm_proxy_backend_up{{backend="{name}"}}'):
+            return float(line.split()[-1]) == 1.0
+    return None
+
+
+def wait_for(routers: list[str], name: str, up: bool, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(backend_up(r, name) != up for r in routers):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"proxies did not see {name} {'up' if up else 'down'} within {timeout} s")
+        time.sleep(0.1)
+
+
+def live(args: argparse.Namespace, seed: int, policy: str, routers: int, tmp: Path) -> list[dict]:
+    phases = workloads(args, seed)
+    model = phases[0][1].spec.model
+    sims = SimSettings(model=model, num_gpu_blocks=blocks_per_replica(args), block_size=args.block_size,
+                       prefill_ms_per_token=args.prefill_ms_per_token, itl_ms=args.itl_ms,
+                       time_scale=args.time_scale, max_num_seqs=args.max_num_seqs)
+    cell = Path(tempfile.mkdtemp(prefix=f"drift-{policy}-{routers}-{seed}-", dir=tmp))
+    ports = [free_port() for _ in range(REPLICAS)]
+    urls = [f"http://{HOST}:{p}" for p in ports]
+    procs: dict[int, object] = {}
+    results, loads = [], []
+    with Fleet(cell) as fleet:
+
+        def start(i: int) -> None:
+            procs[i] = fleet.spawn(f"sim{i}", replica_cmd(ports[i], sims))
+            fleet.wait_ready(procs[i], urls[i] + "/health")
+
+        for i in phases[0][0].replicas:
+            start(i)
+        extra = "discovery: {interval_s: 0.2, timeout_s: 1.0, failures_to_down: 1}\n"
+        fleet.start_proxies(routers, policy, fleet.redis_url(), replicas=urls, extra=extra)
+        live_now = set(phases[0][0].replicas)
+        for i in range(REPLICAS):
+            wait_for(fleet.routers, f"r{i}", i in live_now)
+        for ph, workload in phases:
+            for i in sorted(set(ph.replicas) - live_now):
+                start(i)
+                wait_for(fleet.routers, f"r{i}", True)
+            for i in sorted(live_now - set(ph.replicas)):
+                procs[i].stop()  # type: ignore[attr-defined]
+                wait_for(fleet.routers, f"r{i}", False)
+            live_now = set(ph.replicas)
+            load = asyncio.run(run_load(workload, fleet.routers, args.concurrency))
+            results.append((ph, workload, load.sent_order))
+            loads.append(load)
+    bound = pooled(results, args)
+    out = []
+    for k, (ph, workload, order) in enumerate(results):
+        load = loads[k]
+        served = [load.served.get(i, ("", ""))[0] for i in order]
+        mine = [load.cached.get(i, (0, 0)) for i in order]
+        out.append(summarize(ph, served, mine, bound[k], load.ttft, load.errors))
+    return out
+
+
+def print_run(title: str, rows: list[dict]) -> None:
+    print(title)
+    print(f"  {'phase':<7}{'hit':>7}{'bound':>7}{'share':>7}{'max/mean':>9}{'ttft50':>8}{'ttft99':>8}{'err':>5}  per replica")
+    for r in rows:
+        print(f"  {r['phase']:<7}{r['hit']:>7.3f}{r['bound']:>7.3f}{r['share']:>7.3f}{r['max_over_mean']:>9.2f}"
+              f"{r['ttft_p50_ms']:>8.1f}{r['ttft_p99_ms']:>8.1f}{r['errors']:>5}  {r['per_replica']}", flush=True)
+
+
+def worst(runs: list[tuple[str, list[dict]]]) -> None:
+    """Per (configuration, phase): the worst share and max/mean over the runs (seeds)."""
+    table: dict[tuple[str, str], list[dict]] = {}
+    for title, rows in runs:
+        for r in rows:
+            table.setdefault((title.split(" seed")[0], r["phase"]), []).append(r)
+    print("worst over runs (share of pooled bound, max/mean):")
+    for (config, phase), rows in table.items():
+        share = min(r["share"] for r in rows)
+        mm = max(r["max_over_mean"] for r in rows)
+        flag = "" if share >= 0.97 and mm <= 1.10 else "  <-- misses 0.97 / 1.10"
+        print(f"  {config:<36}{phase:<7} {share:.3f} {mm:.2f}  ({len(rows)} runs){flag}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runs: list[tuple[str, list[dict]]] = []
+    started = time.perf_counter()
+    if args.offline:
+        for seed in seeds(args.seeds):
+            rows = offline(args, seed)
+            runs.append((f"offline prefix_affinity {args.knobs} seed {seed}", rows))
+            print_run(runs[-1][0], rows)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="drift-"))
+        print(f"phases of {args.requests} requests, concurrency {args.concurrency}, time scale {args.time_scale}, "
+              f"cache {args.cache_chars} chars per replica; logs {tmp}", flush=True)
+        for policy in [p for p in args.policies.split(",") if p]:
+            why = check_policy(policy, tmp, "redis://127.0.0.1:1/0")
+            if why:
+                print(f"[skip] {policy}: {why.splitlines()[-1]}", file=sys.stderr)
+                continue
+            for routers in [int(x) for x in args.proxies.split(",") if x]:
+                for seed in seeds(args.seeds):
+                    t0 = time.perf_counter()
+                    rows = live(args, seed, policy, routers, tmp)
+                    title = f"{policy} x{routers} scale {args.time_scale} seed {seed}"
+                    runs.append((title, rows))
+                    print_run(f"{title} ({time.perf_counter() - t0:.0f} s)", rows)
+    worst(runs)
+    print(f"total {time.perf_counter() - started:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -510,7 +510,7 @@ def test_the_clock_counts_every_proxys_requests() -> None:
         remote_rate: dict = {}
         remote_rate_at = 0.0
 
-        async def longest(self, chain):
+        def longest(self, chain):
             return None
 
         def remember(self, hashes, backend):

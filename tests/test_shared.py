@@ -100,18 +100,16 @@ def test_a_new_tenant_is_agreed_on_within_a_few_requests(redis_url: str) -> None
         config = AffinityConfig(block_chars=64, load_slack=100)
         a, b = PrefixAffinity(config, a_state), PrefixAffinity(config, b_state)
         fa, fb = fleet(), fleet()
-        now = time.time()
-        for i in range(4):  # a sees gpu-0 idle, b sees gpu-1 idle: they prefer different replicas
-            a.routed.add(f"gpu-{i}", now, 0.0 if i == 0 else 5.0 * a.routed.factor(now))
-            b.routed.add(f"gpu-{i}", now, 0.0 if i == 1 else 5.0 * b.routed.factor(now))
         ra = Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(fa))
         rb = Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(fb))
         for s in (a_state, b_state):
             s.start()
         try:
             await until(lambda: a_state.up and b_state.up and a_state.mirrored and b_state.mirrored)
-            first_a = run_now(a.pick(fa, chat(tenant(5), "q0 " * 30), ra))[0].name
-            first_b = run_now(b.pick(fb, chat(tenant(5), "q0 " * 30), rb))[0].name
+            # the race: each proxy places the new tenant at once on the replica its own view prefers
+            pin = prefix_key(True, chat(tenant(5)).data, MODEL, 64, 64).pin
+            first_a = a_state.place(pin, [("gpu-0", 0), ("gpu-1", 0)])[0]
+            first_b = b_state.place(pin, [("gpu-1", 0), ("gpu-0", 0)])[0]
             assert first_a != first_b  # a real race
             before = 2
             for i in range(1, 2000):
@@ -122,7 +120,6 @@ def test_a_new_tenant_is_agreed_on_within_a_few_requests(redis_url: str) -> None
                 before += 2
                 await asyncio.sleep(0.001)
             assert pa == pb and pa in (first_a, first_b)
-            pin = prefix_key(True, chat(tenant(5)).data, MODEL, 64, 64).pin
             await until(lambda: a_state.pins[pin][0] == b_state.pins[pin][0])
             assert a_state.adopted + b_state.adopted >= 1
             print(f"\nrequests routed before both proxies agreed: {before}")

@@ -1,0 +1,72 @@
+"""Found by an adversarial review as a new user (issues 20-22): each test is a defect's repro."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from proxy.cli import build_parser
+
+GOOD_BACKEND = {"name": "gpu-0", "url": "http://127.0.0.1:9"}
+
+
+def run_check(tmp_path: Path, config: dict | str, capsys) -> tuple[int, str]:
+    path = tmp_path / "policy.yaml"
+    path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
+    args = build_parser().parse_args(["check", "--config", str(path)])
+    code = args.func(args)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://h:abc", "http://:8000", "http:///v", "http://[::1"])
+def test_backend_url_that_cannot_be_connected_to_is_a_key_path_error(tmp_path: Path, capsys, url: str) -> None:
+    """Was: `check` said OK and `serve` died with a ValueError traceback (port out of range)."""
+    code, out = run_check(tmp_path, {"backends": [{"name": "g", "url": url}]}, capsys)
+    assert code == 2 and "backends[0].url:" in out and "Traceback" not in out
+
+
+def test_duplicate_yaml_key_is_refused(tmp_path: Path, capsys) -> None:
+    """Was: a second `backends:` silently replaced the first (YAML keys must be unique)."""
+    text = ("backends:\n  - {name: a, url: 'http://127.0.0.1:9'}\n"
+            "backends:\n  - {name: b, url: 'http://127.0.0.1:10'}\n")
+    code, out = run_check(tmp_path, text, capsys)
+    assert code == 2 and "duplicate key 'backends'" in out and "line 3" in out
+
+
+def test_yaml_merge_keys_still_work(tmp_path: Path, capsys) -> None:
+    text = ("backends:\n  - &g {name: a, url: 'http://127.0.0.1:9', models: [m]}\n"
+        "  - {<<: *g, name: b, url: 'http://127.0.0.1:10'}\n"
+        "deployments: [{name: d, model: m}]\n")
+    code, out = run_check(tmp_path, text, capsys)
+    assert code == 0, out
+
+
+def test_backend_api_key_file_missing_fails_check_and_serve(tmp_path: Path, capsys) -> None:
+    """Was: `check` OK, then `serve` printed "serving…" and died with FileNotFoundError."""
+    config = {"backends": [{**GOOD_BACKEND, "api_key_file": str(tmp_path / "nope")}]}
+    code, out = run_check(tmp_path, config, capsys)
+    assert code == 2 and "backends[0].api_key_file: cannot read" in out
+    args = build_parser().parse_args(["serve", "--config", str(tmp_path / "policy.yaml")])
+    assert args.func(args) == 2
+    out = capsys.readouterr()
+    assert "backends[0].api_key_file: cannot read" in out.err and "serving" not in out.out
+
+
+def test_discovered_backend_api_key_file_missing(tmp_path: Path, capsys) -> None:
+    config = {"backends": [], "backends_from": [{"name": "k", "dns": {"host": "vllm.local", "port": 8000},
+                                                 "backend": {"api_key_file": str(tmp_path / "nope")}}]}
+    code, out = run_check(tmp_path, config, capsys)
+    assert code == 2 and "backends_from[0].backend.api_key_file: cannot read" in out
+
+
+def test_backend_api_key_env_unset(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Was: exit 0, and every request then got the replica's 401."""
+    monkeypatch.delenv("REVIEW_UNSET_KEY", raising=False)
+    config = {"backends": [{**GOOD_BACKEND, "api_key_env": "REVIEW_UNSET_KEY"}]}
+    code, out = run_check(tmp_path, config, capsys)
+    assert code == 2 and "backends[0].api_key_env: environment variable REVIEW_UNSET_KEY is not set" in out
+    monkeypatch.setenv("REVIEW_UNSET_KEY", "k")
+    code, out = run_check(tmp_path, config, capsys)
+    assert code == 0, out

@@ -3,10 +3,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
 
 from proxy.cli import build_parser
+from tests.conftest import MODEL, eventually
+from tests.kubeapi import PODS, KubeApiStandIn, pod
+from tests.support import ServerThread
+from tests.test_discovery import WAIT, Load, k8s_source
+from tests.test_discovery import fleet as k8s_fleet  # noqa: F401 (a fixture)
 
 GOOD_BACKEND = {"name": "gpu-0", "url": "http://127.0.0.1:9"}
 
@@ -70,3 +76,43 @@ def test_backend_api_key_env_unset(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("REVIEW_UNSET_KEY", "k")
     code, out = run_check(tmp_path, config, capsys)
     assert code == 0, out
+
+
+# -- Responses conversations on an elastic fleet (Kubernetes API stand-in) -----------------------
+
+def test_responses_follow_ups_when_the_owner_pod_drains_and_is_gone(k8s_fleet) -> None:
+    """A conversation's owner turns terminating under streaming load: its follow-ups and
+    retrievals get a clear 410 envelope at once (a draining pod takes no new requests, and no other
+    replica holds the conversation), the same once the pod is gone; the load sees no failure."""
+    fleet = k8s_fleet
+    api = KubeApiStandIn()
+    server = fleet.start(ServerThread(api))
+    sims = [fleet.sim() for _ in range(3)]
+    for i, sim in enumerate(sims):
+        api.put(PODS, pod(f"vllm-{i}", "127.0.0.1", sim.port, ready=True))
+    proxy = fleet.proxy({"backends": [], "backends_from": [k8s_source(server, selector="app=vllm")]})
+    assert eventually(lambda: len(fleet.routed()) == 3, WAIT)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    first = client.responses.with_raw_response.create(model=MODEL, input="hello", max_output_tokens=2)
+    owner = first.headers["x-vllm-proxy-backend"]
+    index = int(owner.rsplit("-", 1)[1])
+    previous = first.parse().id
+    with Load(proxy.url, workers=4) as load:
+        load.more(10)
+        api.put(PODS, pod(f"vllm-{index}", "127.0.0.1", sims[index].port, ready=False, terminating=True))
+        assert eventually(lambda: owner not in fleet.routed(), WAIT)
+        for call in (lambda: client.responses.create(model=MODEL, input="more", previous_response_id=previous,
+                                                     stream=True),
+                     lambda: client.responses.retrieve(previous)):
+            with pytest.raises(openai.APIStatusError) as draining:
+                call()
+            assert draining.value.status_code == 410
+            assert draining.value.body["code"] == "response_owner_unavailable" and owner in draining.value.message
+        sims[index].stop()
+        api.delete(PODS, f"vllm-{index}")
+        assert eventually(lambda: owner not in fleet.app.runtime.fleet.known, WAIT)
+        with pytest.raises(openai.APIStatusError) as gone:
+            client.responses.create(model=MODEL, input="again", previous_response_id=previous)
+        assert gone.value.status_code == 410
+        load.more(10)
+    assert load.failures == []

@@ -1,6 +1,7 @@
 """Found by an adversarial review as a new user (issues 20-22): each test is a defect's repro."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import openai
@@ -13,6 +14,7 @@ from tests.kubeapi import PODS, KubeApiStandIn, pod
 from tests.support import ServerThread
 from tests.test_discovery import WAIT, Load, k8s_source
 from tests.test_discovery import fleet as k8s_fleet  # noqa: F401 (a fixture)
+from tests.test_metrics import access_lines  # noqa: F401 (a fixture)
 
 GOOD_BACKEND = {"name": "gpu-0", "url": "http://127.0.0.1:9"}
 
@@ -116,3 +118,28 @@ def test_responses_follow_ups_when_the_owner_pod_drains_and_is_gone(k8s_fleet) -
         assert gone.value.status_code == 410
         load.more(10)
     assert load.failures == []
+
+
+# -- Responses usage is counted like chat usage -------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_usage_reaches_the_access_log_and_token_counters(servers, access_lines, stream: bool) -> None:
+    """Was: `prompt_tokens`/`completion_tokens` null in the access log and no per-key token
+    counts for /v1/responses (its usage says input_tokens/output_tokens)."""
+    import orjson
+
+    from tests.test_metrics import families, value
+
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim, auth={"keys": [{"name": "team-r", "sha256": hashlib.sha256(b"key-r").hexdigest()}]})
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="key-r", max_retries=0)
+    if stream:
+        with client.responses.stream(model=MODEL, input="count my tokens", max_output_tokens=3) as events:
+            usage = events.get_final_response().usage
+    else:
+        usage = client.responses.create(model=MODEL, input="count my tokens", max_output_tokens=3).usage
+    assert eventually(lambda: any('"/v1/responses"' in line for line in access_lines), 10)
+    line = orjson.loads(next(line for line in access_lines if '"/v1/responses"' in line))
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (usage.input_tokens, usage.output_tokens)
+    fams = families(proxy)
+    assert value(fams, "vllm_proxy_tokens", "vllm_proxy_tokens_total", key="team-r", kind="prompt") == usage.input_tokens

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from proxy.cli import build_parser
-from tests.conftest import MODEL, eventually
+from tests.conftest import MODEL, eventually, fleet  # noqa: F401 (a fixture)
 from tests.kubeapi import PODS, KubeApiStandIn, pod
 from tests.support import ServerThread
 from tests.test_discovery import WAIT, Load, k8s_source
@@ -143,3 +143,30 @@ def test_responses_usage_reaches_the_access_log_and_token_counters(servers, acce
     assert (line["prompt_tokens"], line["completion_tokens"]) == (usage.input_tokens, usage.output_tokens)
     fams = families(proxy)
     assert value(fams, "vllm_proxy_tokens", "vllm_proxy_tokens_total", key="team-r", kind="prompt") == usage.input_tokens
+
+
+# -- error envelopes ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/tokenize", "/v1/rerank", "/v1/score", "/pooling",
+                                  "/classify", "/v1/chat/completions"])
+def test_model_errors_say_what_is_wrong_and_do_not_echo_megabytes(fleet, path: str) -> None:
+    """Was: `model: ""` said "must be a non-empty string, not a string"; an unknown 1 MB model
+    name came back whole in the 404 message."""
+    import httpx
+
+    proxy, _ = fleet
+    r = httpx.post(proxy.url + path, json={"model": ""})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "`model` must not be empty."
+    body = {"model": "m" * 1_000_000, "input": "x", "prompt": "x", "query": "q", "documents": ["d"],
+            "text_1": "a", "text_2": "b", "messages": [{"role": "user", "content": "x"}]}
+    r = httpx.post(proxy.url + path, json=body)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert len(r.content) < 1000
+
+
+def test_audio_model_field_empty(fleet) -> None:
+    import httpx
+
+    proxy, _ = fleet
+    r = httpx.post(proxy.url + "/v1/audio/transcriptions", data={"model": ""}, files={"file": ("a.wav", b"RIFF")})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "`model` must not be empty."

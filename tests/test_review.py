@@ -170,3 +170,16 @@ def test_audio_model_field_empty(fleet) -> None:
     proxy, _ = fleet
     r = httpx.post(proxy.url + "/v1/audio/transcriptions", data={"model": ""}, files={"file": ("a.wav", b"RIFF")})
     assert r.status_code == 400 and r.json()["error"]["message"] == "`model` must not be empty."
+
+
+def test_audio_model_field_given_twice_is_refused(fleet) -> None:
+    """Was: routed by the first `model` while vLLM's form parser keeps the last one."""
+    import httpx
+
+    proxy, sims = fleet
+    body = (b"--B\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nnope\r\n"
+            b"--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n"
+            b"--B\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n" + MODEL.encode() + b"\r\n--B--\r\n")
+    r = httpx.post(proxy.url + "/audio/transcriptions", content=body,
+                   headers={"content-type": "multipart/form-data; boundary=B"})
+    assert r.status_code == 400 and "`model` is given more than once" in r.json()["error"]["message"]

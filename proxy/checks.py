@@ -39,6 +39,7 @@ def startup_problems(config: ProxyConfig, source: str) -> None:
             except ConfigError as exc:
                 problems += exc.problems
     problems += _unreadable_upstream_keys(config)
+    problems += _tracing_missing(config)
     if problems:
         raise ConfigError(source, problems)
 
@@ -47,6 +48,18 @@ def _key_sources(config: ProxyConfig) -> list[tuple[str, object]]:
     """Every backends entry and discovery source's settings, with its key path."""
     return [*((f"backends[{i}]", b) for i, b in enumerate(config.backends)),
             *((f"backends_from[{i}].backend", s.backend) for i, s in enumerate(config.backends_from or ()))]
+
+
+def _tracing_missing(config: ProxyConfig) -> list[str]:
+    """Tracing is on but proxy/tracing.py's imports would fail (a plain install lacks the extra)."""
+    if not config.tracing.enabled:
+        return []
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError:
+        return ["tracing.enabled: needs the OpenTelemetry packages: pip install 'vllm-proxy[tracing]'"]
+    return []
 
 
 def _unreadable_upstream_keys(config: ProxyConfig) -> list[str]:
@@ -66,6 +79,7 @@ def cross_check(config: ProxyConfig) -> Findings:
     found = Findings()
     _served(config, found)
     _keys(config, found)
+    found.errors += _tracing_missing(config)
     return found
 
 

@@ -183,3 +183,18 @@ def test_audio_model_field_given_twice_is_refused(fleet) -> None:
     r = httpx.post(proxy.url + "/audio/transcriptions", content=body,
                    headers={"content-type": "multipart/form-data; boundary=B"})
     assert r.status_code == 400 and "`model` is given more than once" in r.json()["error"]["message"]
+
+
+def test_tracing_on_without_opentelemetry_fails_check_and_serve(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Was: `check` OK, then `serve` printed "serving…" and died with a RuntimeError traceback
+    (a plain `pip install vllm-proxy` has no OpenTelemetry)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)  # as if not installed
+    code, out = run_check(tmp_path, {"backends": [GOOD_BACKEND], "tracing": {"enabled": True}}, capsys)
+    assert code == 2 and "tracing.enabled: needs the OpenTelemetry packages" in out
+    args = build_parser().parse_args(["serve", "--config", str(tmp_path / "policy.yaml")])
+    assert args.func(args) == 2
+    monkeypatch.delitem(sys.modules, "opentelemetry")
+    code, out = run_check(tmp_path, {"backends": [GOOD_BACKEND], "tracing": {"enabled": True}}, capsys)
+    assert code == 0, out

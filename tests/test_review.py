@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from proxy.cli import build_parser
-from tests.conftest import MODEL, eventually, fleet  # noqa: F401 (a fixture)
+from tests.conftest import MODEL, eventually, fleet, sim_of  # noqa: F401 (fleet: a fixture)
 from tests.kubeapi import PODS, KubeApiStandIn, pod
 from tests.support import ServerThread
 from tests.test_discovery import WAIT, Load, k8s_source
@@ -198,3 +198,20 @@ def test_tracing_on_without_opentelemetry_fails_check_and_serve(tmp_path: Path, 
     monkeypatch.delitem(sys.modules, "opentelemetry")
     code, out = run_check(tmp_path, {"backends": [GOOD_BACKEND], "tracing": {"enabled": True}}, capsys)
     assert code == 0, out
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "input_image", "image_url": {"url": "http://10.0.0.1/x.png"}},
+    {"type": "input_file", "file_url": {"url": "http://169.254.169.254/latest"}},
+    {"type": "input_file", "file_data": ["data:application/pdf;base64,AAAA"]},
+])
+def test_responses_media_fields_of_the_wrong_type_do_not_slip_past_the_url_guard(fleet, part: dict) -> None:
+    """Was: `image_url` as an object (the chat shape) carried a private URL past the guard to the replica."""
+    import httpx
+
+    proxy, sims = fleet
+    r = httpx.post(proxy.url + "/v1/responses",
+                   json={"model": MODEL, "input": [{"role": "user", "content": [part]}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_type"
+    assert r.json()["error"]["param"].startswith("input[0].content[0].")
+    assert sum(sim_of(s).stats()["requests"][MODEL] for s in sims) == 0

@@ -215,3 +215,26 @@ def test_responses_media_fields_of_the_wrong_type_do_not_slip_past_the_url_guard
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_type"
     assert r.json()["error"]["param"].startswith("input[0].content[0].")
     assert sum(sim_of(s).stats()["requests"][MODEL] for s in sims) == 0
+
+
+NEW_ENDPOINTS = ["/v1/responses", "/tokenize", "/detokenize", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score",
+                 "/score", "/classify", "/pooling"]
+BAD_BODIES = [b'{"input": "x"}', b'{"model": 5}', b'{"model": null}', b'{"model": ["a"]}', b'{"model": {}}',
+              b'{"model": true}', b"[1]", b'"x"', b"{", b"", b'{"model": "x", "input": NaN}', b"[" * 5000 + b"]" * 5000,
+              b'{"model": "\xff"}', b'{"model": "nope", "input": "x", "prompt": "x", "tokens": [1]}']
+
+
+@pytest.mark.parametrize("path", NEW_ENDPOINTS)
+def test_every_new_endpoint_answers_bad_bodies_with_a_4xx_envelope(fleet, path: str) -> None:
+    """The probe of issue 22's acceptance, with inputs of our own: never a 5xx, always an envelope,
+    nothing reaches a replica."""
+    import httpx
+
+    proxy, sims = fleet
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for body in BAD_BODIES:
+            r = client.post(path, content=body, headers={"content-type": "application/json"})
+            assert 400 <= r.status_code < 500, (body[:40], r.status_code, r.text[:200])
+            error = r.json()["error"]
+            assert isinstance(error["message"], str) and error["type"] == "invalid_request_error", body[:40]
+    assert sum(sim_of(s).stats()["requests"][MODEL] for s in sims) == 0

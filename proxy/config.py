@@ -382,7 +382,7 @@ class TracingConfig(Strict):
 
 class ProxyConfig(Strict):
     server: ServerConfig = ServerConfig()
-    backends: list[BackendConfig] = Field(description="static replicas; may be [] when `backends_from` is set")
+    backends: list[BackendConfig] = Field([], description="static replicas; may be left out when `backends_from` is set")
     backends_from: list[BackendSource] = []
     deployments: list[DeploymentConfig] | None = None
     routing: RoutingConfig = RoutingConfig()

@@ -238,3 +238,13 @@ def test_every_new_endpoint_answers_bad_bodies_with_a_4xx_envelope(fleet, path: 
             error = r.json()["error"]
             assert isinstance(error["message"], str) and error["type"] == "invalid_request_error", body[:40]
     assert sum(sim_of(s).stats()["requests"][MODEL] for s in sims) == 0
+
+
+def test_a_policy_with_only_discovery_sources_needs_no_empty_backends_list(tmp_path: Path, capsys) -> None:
+    """Was: `backends: Field required` beside the real error, though the README says `backends` or
+    `backends_from`."""
+    config = {"backends_from": [{"name": "vllm", "dns": {"host": "vllm.local", "port": 8000}}]}
+    code, out = run_check(tmp_path, config, capsys)
+    assert code == 0, out
+    code, out = run_check(tmp_path, {"server": {"port": 8080}}, capsys)
+    assert code == 2 and "backends: give at least one backend, or set backends_from" in out

@@ -86,22 +86,15 @@ def _conversation(data: dict[str, Any]) -> tuple[list[dict], list[MediaPart] | N
                 continue
             if media is None:
                 media = []
-            media.append(MediaPart(param, kind, _media_value(part, kind, param)))
+            media.append(MediaPart(param, kind, _media_value(part, kind)))
             text.append(part)
         messages.append({"role": role, "content": text})
     return messages, media
 
 
-_STRING_FIELDS = ("image_url", "file_url", "file_data")  # strings in the Responses API; else unchecked by the gate
-
-
-def _media_value(part: dict, kind: str, param: str) -> Any:
+def _media_value(part: dict, kind: str) -> Any:
     """Where the multimodal gate finds the part's URLs and data: `input_image` carries `image_url`
     (a string) beside its type, `input_file` `file_url`/`file_data`, `input_audio` a nested object."""
-    for key in _STRING_FIELDS:
-        if part.get(key) is not None and not isinstance(part[key], str):
-            raise bad_request(f"`{param}.{key}` must be a string, not {_json_type(part[key])}.",
-                              param=f"{param}.{key}", code="invalid_type")
     nested = part.get(kind)
     if isinstance(nested, (dict, str)):
         return nested

@@ -35,8 +35,9 @@ log = logging.getLogger(LOGGER)
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
-_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# chat/completions/embeddings say prompt/completion_tokens; the Responses API input/output_tokens
+_PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _USAGE_WINDOW = 1024  # bytes after `"usage":{` that may hold the counts
 
 

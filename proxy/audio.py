@@ -34,7 +34,7 @@ class Upload(Spec):
     def parse(self, scope: Scope, body: bytes) -> ParsedRequest:
         self.content_type = header(scope, b"content-type") or b""
         try:
-            form = fields(body, self.content_type)
+            form = fields(body, self.content_type, once=("model", "stream"))
         except MultipartError as exc:
             raise bad_request(f"{exc}", code="invalid_multipart") from None
 

@@ -38,14 +38,48 @@ def startup_problems(config: ProxyConfig, source: str) -> None:
                 stored_digest(entry, i)
             except ConfigError as exc:
                 problems += exc.problems
+    problems += _unreadable_upstream_keys(config)
+    problems += _tracing_missing(config)
     if problems:
         raise ConfigError(source, problems)
+
+
+def _key_sources(config: ProxyConfig) -> list[tuple[str, object]]:
+    """Every backends entry and discovery source's settings, with its key path."""
+    return [*((f"backends[{i}]", b) for i, b in enumerate(config.backends)),
+            *((f"backends_from[{i}].backend", s.backend) for i, s in enumerate(config.backends_from or ()))]
+
+
+def _tracing_missing(config: ProxyConfig) -> list[str]:
+    """Tracing is on but proxy/tracing.py's imports would fail (a plain install lacks the extra)."""
+    if not config.tracing.enabled:
+        return []
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError:
+        return ["tracing.enabled: needs the OpenTelemetry packages: pip install 'vllm-proxy[tracing]'"]
+    return []
+
+
+def _unreadable_upstream_keys(config: ProxyConfig) -> list[str]:
+    """`api_key_file`s that Backend() could not read (at startup and on every reload)."""
+    problems = []
+    for path, settings in _key_sources(config):
+        if settings.api_key_file is not None:
+            try:
+                settings.upstream_key()
+            except (OSError, UnicodeDecodeError) as exc:
+                problems.append(f"{path}.api_key_file: cannot read {settings.api_key_file!r}: "
+                                f"{getattr(exc, 'strerror', None) or exc}")
+    return problems
 
 
 def cross_check(config: ProxyConfig) -> Findings:
     found = Findings()
     _served(config, found)
     _keys(config, found)
+    found.errors += _tracing_missing(config)
     return found
 
 
@@ -128,6 +162,11 @@ def _keys(config: ProxyConfig, found: Findings) -> None:
         if entry.deployments is not None and known is None:
             found.warnings.append(f"auth.keys[{i}].deployments: model ids are discovered from the backends; "
                                   "not checked here")
+    for path, settings in _key_sources(config):
+        if settings.api_key_env is not None and not os.environ.get(settings.api_key_env, "").strip():
+            found.errors.append(f"{path}.api_key_env: environment variable {settings.api_key_env} is not set "
+                                "(or empty), so requests would reach the replica without its --api-key")
+    found.errors += _unreadable_upstream_keys(config)
     admin = config.auth.admin_key_env
     if admin is not None and not os.environ.get(admin, ""):
         found.warnings.append(f"auth.admin_key_env: environment variable {admin} is not set: "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -118,6 +119,13 @@ class BackendConfig(BackendSettings):
         if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
             raise ValueError("must be an http:// or https:// base URL, e.g. http://127.0.0.1:8000")
         value = value.rstrip("/")
+        try:  # what the data path needs to open a connection (routing/backends.py)
+            parts = urlsplit(value)
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"not a valid URL: {exc}") from None
+        if not parts.hostname or port == 0:
+            raise ValueError("needs a host and a port in 1-65535, e.g. http://127.0.0.1:8000")
         if value.endswith("/v1"):
             raise ValueError("give the base URL without /v1")
         return value
@@ -415,7 +423,7 @@ class TracingConfig(Strict):
 
 class ProxyConfig(Strict):
     server: ServerConfig = ServerConfig()
-    backends: list[BackendConfig] = Field(description="static replicas; may be [] when `backends_from` is set")
+    backends: list[BackendConfig] = Field([], description="static replicas; may be left out when `backends_from` is set")
     backends_from: list[BackendSource] = []
     deployments: list[DeploymentConfig] | None = None
     routing: RoutingConfig = RoutingConfig()
@@ -501,6 +509,27 @@ def parse_config(data: object, source: str = "<config>") -> ProxyConfig:
         raise ConfigError(source, problems) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error: YAML forbids it, and PyYAML's
+    silent "last one wins" would drop e.g. a whole first `backends:` list."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` may be overridden by the keys beside it
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # unhashable: SafeConstructor reports it
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path) -> ProxyConfig:
     source = str(path)
     try:
@@ -510,7 +539,7 @@ def load_config(path: str | Path) -> ProxyConfig:
     except UnicodeDecodeError as exc:
         raise ConfigError(source, [f"not UTF-8 text: {exc.reason} at byte {exc.start}"]) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: e.g. a date like 2020-13-01
         raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
     if not isinstance(data, dict):

@@ -57,8 +57,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ProxyError(400, message, param=param, code=code)
 
 
+_ECHO_LIMIT = 256  # characters of a client's model name repeated back (a 1 MB name is not echoed whole)
+
+
 def model_not_found(model: str) -> ProxyError:
-    return ProxyError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    shown = model if len(model) <= _ECHO_LIMIT else model[:_ECHO_LIMIT] + "…"
+    return ProxyError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
 
 
 def normalise_upstream_error(status: int, body: bytes) -> bytes:

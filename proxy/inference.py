@@ -127,6 +127,10 @@ class Spec:
         parsed.data["model"] = route.upstream_id
         return orjson.dumps(parsed.data)
 
+    def usage(self, progress: Progress, stream: bool) -> bytes | None:
+        """Where the replica's `usage` object is: a stream's last token chunk, else the body."""
+        return progress.tail if stream else progress.body
+
     def head(self, backend: Backend, endpoint: str) -> bytes | None:
         head = backend.heads.get(endpoint)
         if head is None:  # kept per endpoint path (a fixed, small set)
@@ -216,7 +220,7 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         if ttft is not None:
             series.ttft.observe(ttft)
     key = key_name(scope)
-    tokens = usage_tokens(progress.tail if parsed.stream else progress.body)
+    tokens = usage_tokens((spec or _JSON_BODY).usage(progress, parsed.stream))
     metrics.count_key(key, status, route.name, tokens)
     access = rt.access
     if access is not None and access.wanted():

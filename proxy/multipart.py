@@ -50,8 +50,9 @@ def _disposition(headers: bytes) -> tuple[str, str | None]:
     raise MultipartError("A multipart part has no Content-Disposition name.")
 
 
-def fields(body: bytes, content_type: bytes) -> dict[str, Field]:
-    """Every field of the form (the first of each name)."""
+def fields(body: bytes, content_type: bytes, once: tuple[str, ...] = ()) -> dict[str, Field]:
+    """Every field of the form (the first of each name). A name in `once` given twice is an error:
+    the replica's form parser keeps the last value, so routing by the first could misroute."""
     delimiter = b"--" + boundary(content_type)
     pos = body.find(delimiter)
     if pos < 0:
@@ -71,5 +72,7 @@ def fields(body: bytes, content_type: bytes) -> dict[str, Field]:
         end = body.find(b"\r\n" + delimiter, start)
         if end < 0:
             raise MultipartError("Malformed multipart body: the last part is not closed.")
+        if name in once and name in found:
+            raise MultipartError(f"Form field `{name}` is given more than once.")
         found.setdefault(name, Field(start, end, filename))
         pos = end + 2

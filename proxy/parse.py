@@ -99,7 +99,9 @@ def parse_request(endpoint: str, body: bytes) -> ParsedRequest:
 def require_model(model: object) -> str:
     if model is None:
         raise bad_request("You must provide a model parameter.", param="model", code="missing_required_parameter")
-    if not isinstance(model, str) or not model:
+    if model == "":
+        raise bad_request("`model` must not be empty.", param="model", code="invalid_type")
+    if not isinstance(model, str):
         raise bad_request(
             f"`model` must be a non-empty string, not {_json_type(model)}.", param="model", code="invalid_type"
         )

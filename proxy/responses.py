@@ -104,6 +104,7 @@ class Create(Spec):
         self.backend: Backend | None = None
         self.deployment = ""
         self.client = None  # the API key's holder (proxy/auth.py), if keys are configured
+        self.usage_chunk: bytes | None = None  # a stream's last chunk naming `usage` (response.completed)
 
     def parse(self, scope: Scope, body: bytes) -> ParsedRequest:
         self.client = scope.get("vllm_proxy.client")
@@ -137,19 +138,25 @@ class Create(Spec):
         async def recording(message: dict) -> None:
             if message["type"] == "http.response.start":
                 state["ok"] = message["status"] == 200
-            elif state["ok"]:
+            else:
                 body = message.get("body", b"")
-                found = _ID_IN_BODY.search(state["tail"] + body)  # the id may straddle two chunks
-                if found is not None:
-                    rt.response_owners.remember(found.group(1).decode(), self.backend.name, self.deployment)
-                    state["ok"] = False
-                else:
-                    state["tail"] = body[-300:]
-                    state["seen"] += len(body)
-                    state["ok"] = state["seen"] < _SCAN_LIMIT
+                if b'"usage"' in body:  # response.completed comes after the last token delta (the relay's tail)
+                    self.usage_chunk = body
+                if state["ok"]:
+                    found = _ID_IN_BODY.search(state["tail"] + body)  # the id may straddle two chunks
+                    if found is not None:
+                        rt.response_owners.remember(found.group(1).decode(), self.backend.name, self.deployment)
+                        state["ok"] = False
+                    else:
+                        state["tail"] = body[-300:]
+                        state["seen"] += len(body)
+                        state["ok"] = state["seen"] < _SCAN_LIMIT
             await send(message)
 
         return recording
+
+    def usage(self, progress: Progress, stream: bool) -> bytes | None:
+        return self.usage_chunk if stream else progress.body
 
 
 async def create(rt: Runtime, scope: Scope, receive: Receive, send: Send) -> None:

@@ -43,7 +43,7 @@ def test_unknown_keys_and_types_are_errors() -> None:
 
 
 def test_missing_backends_and_duplicates() -> None:
-    assert problems({}) == ["backends: Field required"]
+    assert problems({}) == ["backends: give at least one backend, or set backends_from"]
     dup = problems({"backends": [{"name": "a", "url": "http://x:1"}, {"name": "a", "url": "http://x:2"}]})
     assert dup == ["backends: duplicate name 'a'"]
     assert problems({"backends": [{"name": "a", "url": "http://x:1/v1"}]}) == [

@@ -146,8 +146,10 @@ class AccessLog:
         tokens: tuple[int | None, int | None] = (None, None), key: str | None = None,
     ) -> None:
         prompt_tokens, completion_tokens = tokens
+        # int(x * 1000 + 0.5) / 1000 is round(x, 3) for these non-negative values at a third of
+        # its cost (round() with digits goes through a decimal string)
         line = orjson.dumps({
-            "ts": round(time.time(), 3),
+            "ts": int(time.time() * 1000.0 + 0.5) / 1000.0,
             "request_id": request_id,
             "endpoint": endpoint,
             "deployment": deployment,
@@ -155,9 +157,9 @@ class AccessLog:
             "route": route,
             "status": int(status),
             "stream": stream,
-            "ttft_ms": None if ttft_s is None else round(ttft_s * 1000.0, 3),
-            "duration_ms": round(duration_s * 1000.0, 3),
-            "overhead_ms": None if overhead_s is None else round(overhead_s * 1000.0, 3),
+            "ttft_ms": None if ttft_s is None else int(ttft_s * 1e6 + 0.5) / 1000.0,
+            "duration_ms": int(duration_s * 1e6 + 0.5) / 1000.0,
+            "overhead_ms": None if overhead_s is None else int(overhead_s * 1e6 + 0.5) / 1000.0,
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "key": key,

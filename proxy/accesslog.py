@@ -38,6 +38,8 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _USAGE_WINDOW = 1024  # bytes after `"usage":{` that may hold the counts
+# vLLM's compact layout (and OpenAI's): both counts in one match; anything else takes the searches
+_USAGE_COMPACT = re.compile(rb'"usage":\{"prompt_tokens":(\d+),(?:"total_tokens":\d+,)?"completion_tokens":(\d+)')
 
 
 def usage_tokens(buf: bytes | None) -> tuple[int | None, int | None]:
@@ -45,7 +47,12 @@ def usage_tokens(buf: bytes | None) -> tuple[int | None, int | None]:
     if not buf:
         return None, None
     at = buf.rfind(b'"usage"')
-    if at < 0 or _USAGE.match(buf, at) is None:
+    if at < 0:
+        return None, None
+    compact = _USAGE_COMPACT.match(buf, at, at + _USAGE_WINDOW)
+    if compact is not None:
+        return int(compact.group(1)), int(compact.group(2))
+    if _USAGE.match(buf, at) is None:
         return None, None
     end = at + _USAGE_WINDOW
     prompt = _PROMPT.search(buf, at, end)

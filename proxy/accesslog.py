@@ -39,6 +39,8 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _USAGE_WINDOW = 1024  # bytes after `"usage":{` that may hold the counts
+# vLLM's compact layout (and OpenAI's): both counts in one match; anything else takes the searches
+_USAGE_COMPACT = re.compile(rb'"usage":\{"prompt_tokens":(\d+),(?:"total_tokens":\d+,)?"completion_tokens":(\d+)')
 
 
 def usage_tokens(buf: bytes | None) -> tuple[int | None, int | None]:
@@ -46,7 +48,12 @@ def usage_tokens(buf: bytes | None) -> tuple[int | None, int | None]:
     if not buf:
         return None, None
     at = buf.rfind(b'"usage"')
-    if at < 0 or _USAGE.match(buf, at) is None:
+    if at < 0:
+        return None, None
+    compact = _USAGE_COMPACT.match(buf, at, at + _USAGE_WINDOW)
+    if compact is not None:
+        return int(compact.group(1)), int(compact.group(2))
+    if _USAGE.match(buf, at) is None:
         return None, None
     end = at + _USAGE_WINDOW
     prompt = _PROMPT.search(buf, at, end)
@@ -147,8 +154,10 @@ class AccessLog:
         tokens: tuple[int | None, int | None] = (None, None), key: str | None = None,
     ) -> None:
         prompt_tokens, completion_tokens = tokens
+        # int(x * 1000 + 0.5) / 1000 is round(x, 3) for these non-negative values at a third of
+        # its cost (round() with digits goes through a decimal string)
         line = orjson.dumps({
-            "ts": round(time.time(), 3),
+            "ts": int(time.time() * 1000.0 + 0.5) / 1000.0,
             "request_id": request_id,
             "endpoint": endpoint,
             "deployment": deployment,
@@ -156,9 +165,9 @@ class AccessLog:
             "route": route,
             "status": int(status),
             "stream": stream,
-            "ttft_ms": None if ttft_s is None else round(ttft_s * 1000.0, 3),
-            "duration_ms": round(duration_s * 1000.0, 3),
-            "overhead_ms": None if overhead_s is None else round(overhead_s * 1000.0, 3),
+            "ttft_ms": None if ttft_s is None else int(ttft_s * 1e6 + 0.5) / 1000.0,
+            "duration_ms": int(duration_s * 1e6 + 0.5) / 1000.0,
+            "overhead_ms": None if overhead_s is None else int(overhead_s * 1e6 + 0.5) / 1000.0,
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "key": key,

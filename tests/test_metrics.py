@@ -432,6 +432,10 @@ def test_usage_tokens() -> None:
     assert usage_tokens(b'{"usage":null}') == (None, None)
     assert usage_tokens(b'{"content":"the \\"usage\\": {\\"prompt_tokens\\": 5}"}') == (None, None)
     assert usage_tokens(None) == (None, None)
+    # vLLM's compact layout (one match) and the general search agree, up to the window's end
+    vllm = b'{"usage":{"prompt_tokens":20,"total_tokens":36,"completion_tokens":16,"prompt_tokens_details":null}}'
+    assert usage_tokens(vllm) == (20, 16)
+    assert usage_tokens(b'{"usage":{"prompt_tokens":' + b"1" * 1030 + b',"completion_tokens":2}}') == (int(b"1" * 999), None)
 
 
 # --- metrics off --------------------------------------------------------------------------------

@@ -70,6 +70,16 @@ class ServerThread:
         self.stop()
 
 
+async def read_body(receive: Any) -> bytes:
+    """The whole request body of an ASGI app's request (test upstreams only: unbounded)."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
 class CaptureBackend:
     """A minimal OpenAI-shaped upstream that records every request body it receives, for checking
     what the proxy actually forwarded."""
@@ -81,12 +91,7 @@ class CaptureBackend:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         if scope["method"] == "GET":
             payload = b'{"object":"list","data":[{"id":"%s","object":"model","parent":null}]}' % self.model.encode()
         else:

@@ -7,7 +7,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from proxy.forward import Upstream
 from tests.conftest import MODEL, Servers, eventually
-from tests.support import ServerThread
+from tests.support import ServerThread, read_body
 
 
 class OtlpReceiver:
@@ -19,12 +19,7 @@ class OtlpReceiver:
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         request = ExportTraceServiceRequest()
         request.ParseFromString(body)
         for resource in request.resource_spans:

@@ -10,6 +10,8 @@ from typing import Any, Iterator
 import httpx
 import uvicorn
 
+from proxy.sim.app import read_body
+
 
 def reuse_default_ssl_context() -> None:
     """httpx builds a new SSL context for every client (reading certifi's bundle: ~20 ms of CPU),
@@ -68,16 +70,6 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-async def read_body(receive: Any) -> bytes:
-    """The whole request body of an ASGI app's request (test upstreams only: unbounded)."""
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            return body
 
 
 class CaptureBackend:

@@ -6,8 +6,9 @@ import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from proxy.forward import Upstream
+from proxy.sim.app import read_body
 from tests.conftest import MODEL, Servers, eventually
-from tests.support import ServerThread, read_body
+from tests.support import ServerThread
 
 
 class OtlpReceiver:

@@ -83,17 +83,18 @@ class Response:
 
     # -- used by the proxy ----------------------------------------------------------------
     async def _wait(self, timeout: float, what: str) -> None:
-        conn = self._conn
-        left = self._deadline - conn.loop.time()
+        loop = asyncio.get_running_loop()
+        left = self._deadline - loop.time()
         if left < timeout:
             if left <= 0:
                 raise UpstreamError("timeout", "the upstream exceeded the total deadline")
             timeout, what = left, "the upstream exceeded the total deadline"
-        self._waiter = waiter = conn.wait(timeout, what)
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(timeout, _expire, waiter, what)
         try:
             await waiter
         finally:
-            conn.waiter = None
+            timer.cancel()
             self._waiter = None
 
     async def next_chunk(self, keepalive: Optional[float] = None) -> Optional[bytes]:
@@ -116,7 +117,7 @@ class Response:
             try:
                 await self._wait(min(keepalive, left), "the upstream went silent mid-body")
             except UpstreamError:
-                if self._conn.loop.time() >= self._deadline:
+                if asyncio.get_running_loop().time() >= self._deadline:
                     raise
                 if self._boundary and not self._buf and time.monotonic() - silent_since < self._idle_timeout:
                     return PING
@@ -154,23 +155,18 @@ class Response:
             conn.abort()
 
 
+def _expire(waiter: asyncio.Future, what: str) -> None:
+    if not waiter.done():
+        waiter.set_exception(UpstreamError("timeout", what))
+
+
 class _Connection(asyncio.Protocol):
-    """One upstream connection. Its waits (first byte, next chunk) share one lazily re-armed
-    timer: arming a loop timer and cancelling it again per wait cost ~1.5 us a request. The timer
-    stays armed at or before the current wait's deadline; when it fires early (the wait it was
-    armed for ended), it re-arms for the current one, or lapses if none."""
+    __slots__ = ("pool", "key", "transport", "parser", "response", "closed", "idle_since", "_interim", "_framed",
+                 "_head_bytes")
 
-    __slots__ = ("pool", "key", "loop", "transport", "parser", "response", "closed", "idle_since", "_interim",
-                 "_framed", "_head_bytes", "timer", "waiter", "_wait_until", "_wait_what")
-
-    def __init__(self, pool: "Pool", key: tuple, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, pool: "Pool", key: tuple) -> None:
         self.pool = pool
         self.key = key
-        self.loop = loop  # kept: asyncio.get_running_loop() is a getpid() system call on Python < 3.12
-        self.timer: Optional[asyncio.TimerHandle] = None
-        self.waiter: Optional[asyncio.Future] = None
-        self._wait_until = 0.0
-        self._wait_what = ""
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.parser = None
         self.response: Optional[Response] = None
@@ -182,36 +178,6 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-
-    def wait(self, timeout: float, what: str) -> asyncio.Future:
-        """A future that fails with UpstreamError("timeout", what) unless resolved within `timeout`."""
-        loop = self.loop
-        until = loop.time() + timeout
-        self.waiter = waiter = loop.create_future()
-        self._wait_until = until
-        self._wait_what = what
-        timer = self.timer
-        if timer is None or timer.when() > until:
-            if timer is not None:
-                timer.cancel()
-            self.timer = loop.call_at(until, self._on_timer)
-        return waiter
-
-    def _on_timer(self) -> None:
-        self.timer = None
-        waiter = self.waiter
-        if waiter is None or waiter.done():
-            return  # the wait ended: the next one arms the timer again
-        if self.loop.time() < self._wait_until:
-            self.timer = self.loop.call_at(self._wait_until, self._on_timer)
-        else:
-            waiter.set_exception(UpstreamError("timeout", self._wait_what))
-
-    def _stop_timer(self) -> None:
-        timer = self.timer
-        if timer is not None:
-            timer.cancel()
-            self.timer = None
 
     def start(self, request: bytes, idle_timeout: float, deadline: float) -> Response:
         self.response = response = Response(self, idle_timeout, deadline)
@@ -298,7 +264,6 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self.closed = True
-        self._stop_timer()
         response = self.response
         if response is not None and not response.done:
             if response.status and not self._framed and response._error is None:
@@ -308,7 +273,6 @@ class _Connection(asyncio.Protocol):
                 response._fail(UpstreamError("reset", "the upstream closed the connection"))
 
     def abort(self) -> None:
-        self._stop_timer()
         if not self.closed:
             self.closed = True
             self.transport.abort()
@@ -336,7 +300,7 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, key, loop), host, port, ssl=context), timeout
+                loop.create_connection(lambda: _Connection(self, key), host, port, ssl=context), timeout
             )
         except asyncio.TimeoutError:
             raise UpstreamError("connect", f"connecting to {host}:{port} timed out") from None
@@ -363,7 +327,7 @@ class Pool:
         conn = self._reuse(key)
         if conn is None:
             conn = await self._connect(key, timeouts.connect)
-        loop = conn.loop
+        loop = asyncio.get_running_loop()
         now = loop.time()
         response = conn.start(head + body, timeouts.idle, now + timeouts.total)
         # The head must be complete by `by`: one dripping in byte by byte (or interim responses)

@@ -88,8 +88,6 @@ class ProxyProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # received since the current head began (>= its size, bounded by one read)
         self._refusal: tuple[int, str, str] | None = None
         self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
-        self._idle_since = 0.0  # when the connection went idle after a response (0: not idle)
-        self._keep_alive_timer: asyncio.TimerHandle | None = None
         if len(self.connections) > self._shed_threshold():
             self._shed()
 
@@ -118,38 +116,10 @@ class ProxyProtocol(HttpToolsProtocol):
         phase = self._phase
         if phase == _HEAD or phase == _BODY:
             return now - self._since if self._since else 0.0
-        if phase == _REST and self._idle_since:
-            return now - self._idle_since
+        keep_alive = self.timeout_keep_alive_task  # armed by uvicorn while a connection idles
+        if phase == _REST and keep_alive is not None:
+            return now - (keep_alive.when() - self.timeout_keep_alive)
         return 0.0
-
-    # -- keep-alive: uvicorn arms a loop timer after every response and cancels it when the next
-    # request's bytes arrive (~1.5 us a request). Here one timer per connection is re-armed lazily:
-    # it fires at or before the idle deadline and closes the connection only if it is still idle.
-    def on_response_complete(self) -> None:
-        if self.pipeline or self.transport.is_closing():
-            super().on_response_complete()
-            return
-        self.server_state.total_requests += 1
-        self._unset_keepalive_if_required()
-        self.flow.resume_reading()
-        self._idle_since = since = self.loop.time()
-        if self._keep_alive_timer is None:
-            self._keep_alive_timer = self.loop.call_at(since + self.timeout_keep_alive, self._keep_alive_check)
-
-    def _unset_keepalive_if_required(self) -> None:
-        self._idle_since = 0.0  # bytes arrived (or the connection is going): not idle
-        super()._unset_keepalive_if_required()
-
-    def _keep_alive_check(self) -> None:
-        self._keep_alive_timer = None
-        since = self._idle_since
-        if not since:
-            return  # busy: the next response arms it again
-        due = since + self.timeout_keep_alive
-        if self.loop.time() < due:
-            self._keep_alive_timer = self.loop.call_at(due, self._keep_alive_check)
-        else:
-            self.timeout_keep_alive_handler()
 
     def _tick_s(self) -> float:
         return min(self.header_timeout_s, self.body_timeout_s) / 4
@@ -237,10 +207,6 @@ class ProxyProtocol(HttpToolsProtocol):
         watch = getattr(self, "_watch", None)
         if watch is not None:
             watch.cancel()
-        keep_alive = getattr(self, "_keep_alive_timer", None)
-        if keep_alive is not None:
-            keep_alive.cancel()
-            self._keep_alive_timer = None
         # With a pipelined request queued behind it, `self.cycle` is that one, not the running
         # lean cycle: tell the running one too, so its upstream request is closed.
         lean = self.lean

@@ -211,3 +211,25 @@ def test_a_handler_that_forgets_to_answer_gets_a_500_not_a_hang() -> None:
         assert status == 500 and orjson.loads(body)["error"]["type"] == "server_error"
         assert headers.get("connection") == "close"
         sock.close()
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(servers: Servers) -> None:
+    """A connection that served several requests is still closed once it idles past the
+    keep-alive timeout."""
+    from proxy.app import ProxyApp
+    from proxy.config import parse_config
+    from proxy.server import ProxyProtocol
+    from tests.support import ServerThread
+
+    sim = servers.sim()
+    app = ProxyApp(parse_config({"backends": [{"name": "gpu-0", "url": sim.url}]}))
+    proxy = ServerThread(app, loop="uvloop", http=ProxyProtocol, timeout_keep_alive=0.3).start()
+    servers.running.append(proxy)
+    sock = connect(proxy)
+    f = sock.makefile("rb")
+    for _ in range(3):
+        sock.sendall(request(chat_body()))
+        status, headers, _ = read_response(f)
+        assert status == 200 and "connection" not in headers  # kept alive
+    assert f.read(1) == b""  # the server closed it (the socket's 10 s timeout would raise instead)
+    sock.close()

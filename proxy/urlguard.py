@@ -38,6 +38,8 @@ def _loose_ipv4(host: str) -> ipaddress.IPv4Address | None:
         return None
     values = []
     for part in parts:
+        if not part.isascii() or not part.isalnum():  # int() would also take "-1", "+1", "1_0", " 1"
+            return None
         try:
             if part[:2] in ("0x", "0X"):
                 values.append(int(part[2:] or "0", 16))

@@ -24,6 +24,9 @@ INTERNAL_SUFFIXES = (".localhost", ".internal", ".local", ".localdomain", ".home
                      ".intranet", ".private", ".corp", ".home", ".lan")
 INTERNAL_NAMES = frozenset(("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"))
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# Never global, whatever this Python's ipaddress tables say (3.11 calls them global): local-use
+# NAT64 (RFC 8215) and SIIT's IPv4-translated ::ffff:0:a.b.c.d (RFC 2765) reach IPv4 behind a translator.
+_TRANSLATED = (ipaddress.ip_network("64:ff9b:1::/48"), ipaddress.ip_network("::ffff:0:0:0/96"))
 _UNSAFE_CHARS = frozenset("\\ \t\r\n")
 
 
@@ -74,19 +77,23 @@ def check_ip(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
         inner = _embedded_ipv4(ip)
         if inner is not None:
             check_ip(inner)
+        if any(ip in net for net in _TRANSLATED):
+            raise Forbidden(f"address {ip} is an IPv4 translation address")
     if ip.is_multicast or ip.is_unspecified or ip.is_loopback or ip.is_link_local or ip.is_private or not ip.is_global:
         raise Forbidden(f"address {ip} is not a public internet address")
 
 
 def normalise_host(raw: str) -> str:
-    host = unicodedata.normalize("NFKC", raw).lower().rstrip(".")
-    if not host:
-        raise Forbidden("URL has no host")
+    host = unicodedata.normalize("NFKC", raw).lower()
     if not host.isascii():
         try:
             host = host.encode("idna").decode("ascii")
         except UnicodeError:
             raise Forbidden("host name is not a valid internationalised name") from None
+    # after IDNA: "localhost\u3002" is "localhost." to an HTTP client (UTS 46 maps the dot)
+    host = host.rstrip(".")
+    if not host:
+        raise Forbidden("URL has no host")
     return host
 
 
@@ -120,12 +127,15 @@ def check_url(
         raise Forbidden("URL contains credentials")
     if "%" in authority:
         raise Forbidden("URL host contains percent-escapes")
+    bracketed = "[" in authority
     try:
         netloc_host = urlsplit(url).hostname
     except ValueError:
         raise Forbidden("malformed URL") from None
     host = normalise_host(netloc_host or "")
     literal = host_literal(host)
+    if bracketed and not isinstance(literal, ipaddress.IPv6Address):
+        raise Forbidden("malformed IPv6 host")  # IPvFuture ([v1.x]) and the like
     name = None if literal is not None else host
     if block_internal:
         if literal is not None:

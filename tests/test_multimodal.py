@@ -159,6 +159,10 @@ FORBIDDEN = [
     "https://example.com\\@127.0.0.1/a.png", "https://exa mple.com/a.png",
     "file:///etc/passwd", "ftp://example.com/a.png", "gopher://example.com/", "javascript:alert(1)",
     "//example.com/a.png", "example.com/a.png", "https:///a.png", "https://[::1/a.png",
+    # an ideographic or half-width full stop is a dot to IDNA (UTS 46): a trailing one too
+    "https://localhost\u3002/a.png", "https://metadata.google.internal\uff61/v1/", "https://127.0.0.1\u3002/a.png",
+    "https://[64:ff9b:1::a9fe:a9fe]/a.png", "https://[::ffff:0:127.0.0.1]/a.png",  # local NAT64, SIIT-translated
+    "https://[v1.x]/a.png",  # IPvFuture: brackets hold an IPv6 address or nothing we fetch
 ]
 
 

@@ -35,7 +35,7 @@ import orjson
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
 from proxy.routing.affinity import rendezvous_weight
-from proxy.routing.backends import Backend
+from proxy.routing.backends import Backend, read_capped
 from proxy.routing.catalog import Route
 
 log = logging.getLogger("vllm_proxy.lora")
@@ -307,10 +307,10 @@ class LoraManager:
                 b.url + path, data=orjson.dumps(payload), headers=b.headers,
                 timeout=aiohttp.ClientTimeout(total=timeout),
             ) as resp:
-                return resp.status, await resp.read()
+                return resp.status, await read_capped(resp)
         except asyncio.TimeoutError:
             return 0, f"timed out after {timeout:.1f}s".encode()
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, ValueError) as exc:
             return 0, (str(exc) or type(exc).__name__).encode()
 
     async def _wait_freed(self, timeout: float) -> None:

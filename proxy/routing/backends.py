@@ -9,6 +9,24 @@ from urllib.parse import urlsplit
 from proxy.config import BackendConfig
 from proxy.parse import ENDPOINTS
 
+# The most a control-plane answer (/v1/models, /metrics, LoRA admin) may be: a replica that
+# sends more is broken or hostile, and reading it whole would take the proxy's memory with it.
+CONTROL_BODY_LIMIT = 16 << 20
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int = CONTROL_BODY_LIMIT) -> bytes:
+    """The body of `resp` (never decompressed), or a ValueError once it is known to exceed `limit`."""
+    if (resp.content_length or 0) > limit:
+        resp.close()
+        raise ValueError(f"answer of {resp.content_length} bytes exceeds {limit}")
+    body = bytearray()
+    async for chunk in resp.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            resp.close()
+            raise ValueError(f"answer exceeds {limit} bytes")
+    return bytes(body)
+
 
 class Backend:
     __slots__ = (
@@ -58,7 +76,7 @@ class Backend:
         async with session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout_s), headers=auth) as resp:
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}")
-            return await resp.read()
+            return await read_capped(resp)
 
     def head_prefix(self, method: str, target: str, content_type: bytes = b"application/json") -> bytes:
         """The request line and fixed headers for any other endpoint (`target`: path and query)."""

@@ -1,0 +1,105 @@
+"""Attack cases beyond issue 16's review, each found against a live proxy (the adversarial pass).
+
+Upstreams: a replica whose control-plane answers (/v1/models, /metrics) never end, or inflate.
+"""
+from __future__ import annotations
+
+import gzip
+import resource
+import socket
+import socketserver
+import threading
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL, Servers
+
+WAIT = 10.0
+MIB = 1 << 20
+
+
+class ControlPlane(socketserver.ThreadingTCPServer):
+    """A replica whose GET `path` answers with `answer(write)`; other GETs list MODEL, POSTs 404.
+    Counts the bytes written for `path` until the proxy hung up (`hung_up` is then set)."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, path: bytes, answer) -> None:
+        self.path, self.answer = path, answer
+        self.sent = 0
+        self.hung_up = threading.Event()
+        super().__init__(("127.0.0.1", 0), _ControlHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _ControlHandler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        server: ControlPlane = self.server  # type: ignore[assignment]
+        while (line := self.rfile.readline()):
+            while self.rfile.readline() not in (b"\r\n", b""):
+                pass
+            if line.split()[1] == server.path:
+                def write(data: bytes) -> None:
+                    self.wfile.write(data)
+                    server.sent += len(data)
+                try:
+                    server.answer(write)
+                except OSError:
+                    server.hung_up.set()
+                    return
+                continue
+            body = b'{"object":"list","data":[{"id":"%s","object":"model"}]}' % MODEL.encode()
+            self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(body), body))
+
+
+def endless(write) -> None:
+    write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+    write(b'10\r\n{"data":[{"id":"\r\n')
+    chunk = b"%x\r\n%s\r\n" % (MIB, b"a" * MIB)
+    while True:
+        write(chunk)
+
+
+def control(servers: Servers, path: bytes, answer) -> tuple[ControlPlane, object]:
+    upstream = ControlPlane(path, answer)
+    servers.running.append(SimpleNamespace(stop=upstream.shutdown))  # type: ignore[arg-type]
+    proxy = servers.proxy({"backends": [{"name": "odd", "url": upstream.url}],
+                           "discovery": {"interval_s": 0.2, "timeout_s": 5.0, "failures_to_down": 1}})
+    return upstream, proxy
+
+
+def test_a_gzip_bomb_from_a_replica_is_never_inflated(servers: Servers) -> None:
+    """Control-plane answers are read as sent (we ask for no encoding): 1 GiB of JSON whitespace in
+    1 MiB of gzip stays 1 MiB. Runs first in this file: the peak RSS only ever grows."""
+    bomb = gzip.compress(b'{"object":"list","data":[{"id":"%s"}]' % MODEL.encode() + b" " * (1 << 30) + b"}", 1)
+    served = threading.Event()
+
+    def answer(write) -> None:
+        write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
+              b"content-length: %d\r\n\r\n" % len(bomb) + bomb)
+        served.set()
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    upstream, proxy = control(servers, b"/v1/models", answer)
+    assert served.wait(WAIT)
+    assert httpx.get(proxy.url + "/health", timeout=WAIT).status_code == 200
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
+    assert grown_mib < 256, f"peak RSS grew by {grown_mib:.0f} MiB"
+
+
+@pytest.mark.parametrize("path", [b"/v1/models", b"/metrics"])
+def test_an_endless_control_plane_answer_is_cut_off(servers: Servers, path: bytes) -> None:
+    """Before: discovery and the metrics scrape read a replica's answer whole, for up to their
+    timeout: 1.6 GB of RSS from one replica streaming /v1/models."""
+    upstream, proxy = control(servers, path, endless)
+    assert upstream.hung_up.wait(WAIT), f"the proxy read {upstream.sent >> 20} MiB and kept reading"
+    assert upstream.sent < 64 * MIB, f"{upstream.sent >> 20} MiB read"
+    assert httpx.get(proxy.url + "/health", timeout=WAIT).status_code == 200

@@ -48,6 +48,13 @@ _feed = HttpToolsProtocol.data_received  # called directly: super() costs per re
 
 _HEAD, _BODY, _REST, _LINGER = range(4)  # reading a head, a body; neither (app or keep-alive); refused
 _LINGER_S = 2.0  # after a refusal, read and discard this long so the client sees the answer, not a reset
+# Requests parsed ahead of the one being answered. uvicorn queues every request a read holds (a
+# 256 KiB read of `GET /health` is 10 000 of them, ~17 MB) and reads on after each answer, so one
+# connection could grow without bound. nginx and Envoy parse the next request only when the
+# current one is answered; we answer what is queued and close (RFC 9112 9.3.2: the client retries
+# the rest).
+MAX_PIPELINED = 64
+_PIPELINE_FULL = (0, "", "")
 
 
 class _Refused(Exception):
@@ -169,7 +176,10 @@ class ProxyProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         refusal = self._refusal
-        if refusal is not None:
+        if refusal is _PIPELINE_FULL:
+            self._phase = _LINGER  # the rest of what the client sends is discarded
+            self.cycle.keep_alive = False  # type: ignore[union-attr] # the last queued answer closes the connection
+        elif refusal is not None:
             self._refuse(*refusal)
         else:
             self._refuse(400, msg, "invalid_http_request")
@@ -234,6 +244,9 @@ class ProxyProtocol(HttpToolsProtocol):
         ):
             self._start_lean()
         else:
+            if len(self.pipeline) >= MAX_PIPELINED:
+                self._refusal = _PIPELINE_FULL
+                raise _Refused
             super().on_headers_complete()
         if getattr(self.server_state, "draining", False) and self.cycle is not None:
             self.cycle.keep_alive = False  # draining (proxy/drain.py): clients reconnect elsewhere

@@ -1,5 +1,6 @@
 """Attack cases beyond issue 16's review, each found against a live proxy (the adversarial pass).
 
+Clients: a read full of pipelined requests.
 Upstreams: a replica whose control-plane answers (/v1/models, /metrics) never end, or inflate.
 """
 from __future__ import annotations
@@ -14,10 +15,38 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from proxy.server import MAX_PIPELINED
 from tests.conftest import MODEL, Servers
+from tests.test_server import read_response
 
 WAIT = 10.0
 MIB = 1 << 20
+
+
+# -- clients ------------------------------------------------------------------------------------
+
+def test_a_pipelined_flood_is_answered_in_part_then_closed(servers: Servers) -> None:
+    """Before: 256 KiB of pipelined `GET /health` queued ~10 000 requests per read, and reading
+    resumed after each answer: 50 such connections took the proxy from 65 to 900 MB of RSS and
+    /health to 5.8 s. Now what was queued is answered in order, then the connection closes."""
+    proxy = servers.proxy_for(servers.sim())
+    flood = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * ((256 << 10) // 35)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=WAIT) as sock:
+        sock.sendall(flood)
+        f = sock.makefile("rb")
+        answered = 0
+        while True:
+            status, headers, body = read_response(f)
+            assert (status, body) == (200, b'{"status":"ok"}')
+            answered += 1
+            if headers.get("connection") == "close":
+                break
+        assert f.read() == b""  # closed after the last queued answer, nothing more
+    assert MAX_PIPELINED < answered <= 4 * MAX_PIPELINED
+    assert httpx.get(proxy.url + "/health", timeout=WAIT).status_code == 200
+
+
+# -- upstreams ----------------------------------------------------------------------------------
 
 
 class ControlPlane(socketserver.ThreadingTCPServer):

@@ -62,6 +62,7 @@ class ServerConfig(Strict):
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
     header_timeout_s: float = Field(30.0, gt=0, description="a request head must arrive within this; an idle new connection is closed then")
     body_timeout_s: float = Field(30.0, gt=0, description="longest stall while reading a request body")
+    send_timeout_s: float = Field(60.0, gt=0, description="longest a client may leave the answer unread before the connection is dropped")
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line and headers beyond this: 431")
     max_headers: int = Field(100, ge=1, description="more request header fields than this: 431")
     max_response_bytes: int = Field(64 * 1024 * 1024, gt=0, description="largest non-streaming upstream body buffered; beyond: 502")

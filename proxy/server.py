@@ -19,8 +19,11 @@ concatenated piece by piece) before the app ever sees it. As nginx and Envoy do,
 head must be complete within `header_timeout_s` of its first byte (of the connection, for the
 first request: an idle connection is closed then), a body may not stall for `body_timeout_s`,
 and a head larger than `max_header_bytes` or with more than `max_headers` fields is a 431; the
-client gets an OpenAI error envelope and the connection is closed. One watchdog timer per
-connection checks these a few times per timeout; a request pays a few attribute writes.
+client gets an OpenAI error envelope and the connection is closed. As nginx's `send_timeout`, a
+client that reads nothing of its answer for `send_timeout_s` is dropped: else it holds the
+answer's bytes (up to `max_response_bytes`) and a stream's upstream request for good. One
+watchdog timer per connection checks these a few times per timeout; a request pays a few
+attribute writes.
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ class ProxyProtocol(HttpToolsProtocol):
     # defaults as in ServerConfig; `configured()` makes a subclass with a config's values
     header_timeout_s = 30.0
     body_timeout_s = 30.0
+    send_timeout_s = 60.0
     max_header_bytes = 64 * 1024
     max_headers = 100
     # Beyond this many open connections (default: 3/4 of the fd limit), connections that hold a
@@ -74,7 +78,7 @@ class ProxyProtocol(HttpToolsProtocol):
     shed_above: int | None = None
     _last_shed = 0.0
 
-    _LIMITS = ("header_timeout_s", "body_timeout_s", "max_header_bytes", "max_headers")
+    _LIMITS = ("header_timeout_s", "body_timeout_s", "max_header_bytes", "max_headers", "send_timeout_s")
 
     @classmethod
     def configured(cls, server: Any) -> "functools.partial[ProxyProtocol]":
@@ -94,6 +98,8 @@ class ProxyProtocol(HttpToolsProtocol):
         self._since = self.loop.time()  # when the head began, or the body last made progress (0: not yet)
         self._head_bytes = 0  # received since the current head began (>= its size, bounded by one read)
         self._refusal: tuple[int, str, str] | None = None
+        self._unsent = 0  # the write buffer's size at the last tick, while the client left it unread
+        self._unsent_since = 0.0  # since when (0: the client is reading, or nothing is pending)
         self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
         if len(self.connections) > self._shed_threshold():
             self._shed()
@@ -132,7 +138,12 @@ class ProxyProtocol(HttpToolsProtocol):
         return min(self.header_timeout_s, self.body_timeout_s) / 4
 
     def _watchdog(self) -> None:
+        if self._send_stalled():
+            self.transport.abort()  # its unsent bytes are dropped
+            return
         if self.transport.is_closing():
+            if self._unsent:  # a close waits for the client to read the rest: bounded by the send timeout
+                self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
             return
         phase = self._phase
         waited = self.loop.time() - self._since
@@ -146,6 +157,24 @@ class ProxyProtocol(HttpToolsProtocol):
             self._refuse(408, "The request body stalled.", "request_timeout")
             return
         self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
+
+    def _send_stalled(self) -> bool:
+        """Whether bytes for the client have waited `send_timeout_s` with no sign it reads them
+        (the buffer shrinking between two ticks, or flow control resuming writes)."""
+        unsent = self.transport.get_write_buffer_size()
+        if not unsent:
+            self._unsent = 0
+            self._unsent_since = 0.0
+            return False
+        now = self.loop.time()
+        if not self._unsent_since or unsent < self._unsent:
+            self._unsent_since = now
+        self._unsent = unsent
+        return now - self._unsent_since > self.send_timeout_s
+
+    def resume_writing(self) -> None:
+        self._unsent_since = 0.0  # the client read down to the low-water mark
+        super().resume_writing()
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         """Answer `status` with an error envelope and close (the request is not read further). A

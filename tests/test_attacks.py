@@ -1,6 +1,6 @@
 """Attack cases beyond issue 16's review, each found against a live proxy (the adversarial pass).
 
-Clients: a read full of pipelined requests.
+Clients: a read full of pipelined requests; a client that never reads its answer.
 Upstreams: a replica whose control-plane answers (/v1/models, /metrics) never end, or inflate.
 """
 from __future__ import annotations
@@ -10,13 +10,16 @@ import resource
 import socket
 import socketserver
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
+import orjson
 import pytest
 
 from proxy.server import MAX_PIPELINED
 from tests.conftest import MODEL, Servers
+from tests.test_hardening import limits
 from tests.test_server import read_response
 
 WAIT = 10.0
@@ -44,6 +47,35 @@ def test_a_pipelined_flood_is_answered_in_part_then_closed(servers: Servers) -> 
         assert f.read() == b""  # closed after the last queued answer, nothing more
     assert MAX_PIPELINED < answered <= 4 * MAX_PIPELINED
     assert httpx.get(proxy.url + "/health", timeout=WAIT).status_code == 200
+
+
+def test_a_client_that_never_reads_its_answer_is_dropped(servers: Servers) -> None:
+    """Before: a 16 MB answer nobody read stayed in the proxy's memory for good (ten such
+    clients: +170 MB of RSS, still held minutes later); nginx drops them after `send_timeout`."""
+    proxy = servers.proxy({"backends": [{"name": "gpu-0", "url": servers.sim().url}]},
+                          http=limits(send_timeout_s=1.0))
+    body = orjson.dumps({"model": MODEL, "input": ["a"] * 20000})  # ~16 MB of embeddings
+    state = proxy.server.server_state
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(WAIT)
+        sock.connect(("127.0.0.1", proxy.port))
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + WAIT
+        while not state.connections and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the proxy accepted it
+        while state.connections and time.monotonic() < deadline:
+            time.sleep(0.05)  # waiting for the condition under test: the proxy dropping the connection
+        assert not state.connections, "the unread answer is still held"
+        received = 0
+        try:
+            while chunk := sock.recv(1 << 20):
+                received += len(chunk)
+        except ConnectionResetError:
+            pass
+        assert received < 16_000_000  # cut off, not delivered late
+    assert httpx.post(proxy.url + "/v1/embeddings", json={"model": MODEL, "input": "a"}, timeout=WAIT).status_code == 200
 
 
 # -- upstreams ----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Attack cases beyond issue 16's review, each found against a live proxy (the adversarial pass).
 
-Clients: a read full of pipelined requests; a client that never reads its answer.
+Clients: a read full of pipelined requests; a client that never reads its answer; a multipart
+upload that the proxy and vLLM's form parser would read as two different forms.
 Upstreams: a replica whose control-plane answers (/v1/models, /metrics) never end, or inflate.
 """
 from __future__ import annotations
@@ -76,6 +77,30 @@ def test_a_client_that_never_reads_its_answer_is_dropped(servers: Servers) -> No
             pass
         assert received < 16_000_000  # cut off, not delivered late
     assert httpx.post(proxy.url + "/v1/embeddings", json={"model": MODEL, "input": "a"}, timeout=WAIT).status_code == 200
+
+
+def form(boundary: bytes, model: bytes) -> bytes:
+    return (b'--%s\r\nContent-Disposition: form-data; name="model"\r\n\r\n%s\r\n--%s\r\nContent-Disposition: '
+            b'form-data; name="file"; filename="a.wav"\r\n\r\nRIFF\r\n--%s--\r\n' % (boundary, model, boundary, boundary))
+
+
+@pytest.mark.parametrize("content_type, body", [
+    # vLLM (python-multipart) takes the last boundary, and reads the form before the proxy's
+    (b"multipart/form-data; boundary=one; boundary=two", form(b"two", b"other-model") + form(b"one", MODEL.encode())),
+    # a preamble the proxy skipped: vLLM refuses it, but it must not be read as another form either
+    (b"multipart/form-data; boundary=one", b"x\r\n" + form(b"one", MODEL.encode())),
+])
+def test_an_upload_read_as_two_different_forms_is_refused(servers: Servers, content_type: bytes, body: bytes) -> None:
+    """Before: the proxy routed (and checked the key for) the model of the form at its boundary,
+    vLLM ran the model of the other one."""
+    proxy = servers.proxy_for(servers.sim())
+    resp = httpx.post(proxy.url + "/v1/audio/transcriptions", content=body, headers={"content-type": content_type.decode()},
+                      timeout=WAIT)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_multipart", resp.text
+    # blank lines before the boundary are fine (python-multipart skips them too)
+    ok = httpx.post(proxy.url + "/v1/audio/transcriptions", content=b"\r\n" + form(b"one", MODEL.encode()),
+                    headers={"content-type": "multipart/form-data; boundary=one"}, timeout=WAIT)
+    assert ok.status_code == 200, ok.text
 
 
 # -- upstreams ----------------------------------------------------------------------------------

@@ -257,3 +257,20 @@ def test_fuzzed_content_never_500_and_never_bypasses(fuzz_target, messages, extr
         for m in data["messages"]:
             if isinstance(m.get("content"), list):
                 assert all(isinstance(p, dict) and p.get("type") in TEXT_PARTS for p in m["content"])
+
+
+@pytest.mark.parametrize("extra", [{"input": "x"}, {}])
+def test_chat_style_embeddings_are_guarded(shared_mixed, extra: dict) -> None:
+    """vLLM's /v1/embeddings also takes `messages` (EmbeddingChatRequest) and fetches their media.
+    Before: only `input` was looked at, so `messages` beside it went to vLLM unchecked (and chat
+    style embeddings without `input` were refused as incomplete)."""
+    proxy, untrusted, trusted = shared_mixed
+    body = {"model": MODEL, **extra, "messages": [{"role": "user", "content": [image("https://169.254.169.254/x")]}]}
+    error = error_of(httpx.post(proxy.url + "/v1/embeddings", json=body))
+    assert (error["code"], error["param"]) == ("media_url_forbidden", "messages[0].content[0].image_url.url")
+    body["messages"][0]["content"] = [image("https://example.com/a.png")]
+    resp = httpx.post(proxy.url + "/v1/embeddings", json=body)
+    if extra:
+        assert resp.status_code == 200, resp.text
+    else:  # forwarded: the simulator has no chat-style embeddings, its own 400 names `input`, not the proxy's
+        assert "x-vllm-proxy-backend" in resp.headers, resp.text

@@ -246,6 +246,16 @@ class ProxyProtocol(HttpToolsProtocol):
             self._refusal = (431, f"Request header fields exceed {self.max_header_bytes} bytes.", "headers_too_large")
             raise _Refused
 
+    def _refuse_upgrade(self) -> None:
+        """We serve no other protocol (WebSocket, h2c), so an upgrade request is answered as plain
+        HTTP, as nginx does; but httptools hands what follows its head to the new protocol, so a
+        body would be lost (the request answered as if empty): such a request is a 400 instead."""
+        for name, value in self.headers:
+            if (name == b"content-length" and value.strip(b" \t0")) or name == b"transfer-encoding":
+                self._refusal = (400, "Upgrade is not supported: send the request without the Upgrade header "
+                                      "(for HTTP/2 without TLS, use prior knowledge).", "upgrade_not_supported")
+                raise _Refused
+
     def connection_lost(self, exc: Exception | None) -> None:
         watch = getattr(self, "_watch", None)
         if watch is not None:
@@ -276,7 +286,12 @@ class ProxyProtocol(HttpToolsProtocol):
             if len(self.pipeline) >= MAX_PIPELINED:
                 self._refusal = _PIPELINE_FULL
                 raise _Refused
+            upgrade = self.parser.should_upgrade()
+            if upgrade:
+                self._refuse_upgrade()
             super().on_headers_complete()
+            if upgrade and self.cycle is not None:
+                self.cycle.keep_alive = False  # the parser stops at an upgrade: nothing after it is read
         if getattr(self.server_state, "draining", False) and self.cycle is not None:
             self.cycle.keep_alive = False  # draining (proxy/drain.py): clients reconnect elsewhere
 

@@ -1,7 +1,8 @@
 """Attack cases beyond issue 16's review, each found against a live proxy (the adversarial pass).
 
 Clients: a read full of pipelined requests; a client that never reads its answer; a multipart
-upload that the proxy and vLLM's form parser would read as two different forms.
+upload that the proxy and vLLM's form parser would read as two different forms; upgrade requests
+(WebSocket, h2c) to a server that speaks neither.
 Upstreams: a replica whose control-plane answers (/v1/models, /metrics) never end, or inflate.
 """
 from __future__ import annotations
@@ -101,6 +102,63 @@ def test_an_upload_read_as_two_different_forms_is_refused(servers: Servers, cont
     ok = httpx.post(proxy.url + "/v1/audio/transcriptions", content=b"\r\n" + form(b"one", MODEL.encode()),
                     headers={"content-type": "multipart/form-data; boundary=one"}, timeout=WAIT)
     assert ok.status_code == 200, ok.text
+
+
+@pytest.fixture
+def served(servers: Servers):
+    """The proxy with the uvicorn options `vllm-proxy serve` uses."""
+    from proxy.app import ProxyApp
+    from proxy.cli import uvicorn_options
+    from proxy.config import parse_config
+    from tests.support import ServerThread
+
+    config = parse_config({"backends": [{"name": "gpu-0", "url": servers.sim().url}],
+                           "discovery": {"interval_s": 0.2, "timeout_s": 5.0, "failures_to_down": 1}})
+    options = {**uvicorn_options(config), "timeout_graceful_shutdown": 2, "log_level": "error"}
+    proxy = ServerThread(ProxyApp(config), **options).start()
+    servers.running.append(proxy)
+    return proxy
+
+
+WS = b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+H2C = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+CHAT_BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+
+def exchange(proxy, data: bytes) -> tuple[list[tuple[int, dict, bytes]], bytes]:
+    """Every answer to `data` until the proxy closes the connection (a hang fails on the timeout)."""
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=WAIT) as sock:
+        sock.sendall(data)
+        f = sock.makefile("rb")
+        answers = [read_response(f)]
+        while answers[-1][1].get("connection") != "close":
+            answers.append(read_response(f))
+        return answers, f.read()
+
+
+def test_a_websocket_upgrade_is_answered_as_plain_http(served) -> None:
+    """Before: a 500 (text/plain, "ASGI callable returned without completing handshake")."""
+    answers, rest = exchange(served, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + WS + b"\r\n")
+    assert [a[0] for a in answers] == [200] and orjson.loads(answers[0][2])["object"] == "list" and rest == b""
+
+
+@pytest.mark.parametrize("upgrade", [WS, H2C], ids=["websocket", "h2c"])
+def test_an_upgrade_request_with_a_body_is_a_clear_400(served, upgrade: bytes) -> None:
+    """Before: the body went to the protocol we do not speak: h2c (`curl --http2 http://...`) got
+    "body is empty" and a connection that answered nothing more; websocket hung for good."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    answers, rest = exchange(served, head + upgrade + b"Content-Length: %d\r\n\r\n" % len(CHAT_BODY) + CHAT_BODY)
+    assert [a[0] for a in answers] == [400] and rest == b""
+    assert orjson.loads(answers[0][2])["error"]["code"] == "upgrade_not_supported"
+    assert httpx.post(served.url + "/v1/chat/completions", content=CHAT_BODY, timeout=WAIT).status_code == 200
+
+
+def test_after_an_upgrade_request_the_connection_closes_instead_of_going_deaf(served) -> None:
+    """Before: the parser stopped at the upgrade, so the next request on the connection was never
+    answered (the client waited for the keep-alive timeout). Now it closes: the client retries."""
+    answers, rest = exchange(served, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: foo\r\n\r\n"
+                                     b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert [a[0] for a in answers] == [200] and rest == b""
 
 
 # -- upstreams ----------------------------------------------------------------------------------

@@ -15,16 +15,25 @@ from proxy.tasks import Background
 log = logging.getLogger("vllm_proxy.health")
 
 
+# A replica listing more models and adapters than this is broken or hostile: every entry becomes a
+# route the proxy serves and rebuilds on each change (400 000 of them stalled the event loop for
+# seconds per poll). vLLM lists its base model and its loaded LoRA adapters.
+MAX_MODELS = 4096
+MAX_ID_CHARS = 1024
+
+
 def read_models(payload: bytes) -> tuple[frozenset[str], dict[str, str | None]]:
     """Base models and adapters (entries with a `parent`) of a vLLM /v1/models answer."""
     data = orjson.loads(payload)
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError("no `data` list")
+    if len(entries) > MAX_MODELS:
+        raise ValueError(f"lists {len(entries)} models, more than {MAX_MODELS}")
     models: set[str] = set()
     adapters: dict[str, str | None] = {}
     for entry in entries:
-        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str) and len(entry["id"]) <= MAX_ID_CHARS:
             parent = entry.get("parent")
             if isinstance(parent, str) and parent:
                 adapters[entry["id"]] = parent

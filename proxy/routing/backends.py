@@ -10,8 +10,9 @@ from proxy.config import BackendConfig
 from proxy.parse import ENDPOINTS
 
 # The most a control-plane answer (/v1/models, /metrics, LoRA admin) may be: a replica that
-# sends more is broken or hostile, and reading it whole would take the proxy's memory with it.
-CONTROL_BODY_LIMIT = 16 << 20
+# sends more is broken or hostile; reading it whole would take the proxy's memory with it, and
+# parsing it blocks the event loop (4 MiB of metric lines: ~0.2 s; vLLM's own are ~100 KiB).
+CONTROL_BODY_LIMIT = 4 << 20
 
 
 async def read_capped(resp: aiohttp.ClientResponse, limit: int = CONTROL_BODY_LIMIT) -> bytes:

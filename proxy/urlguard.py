@@ -148,18 +148,28 @@ def check_url(
 
 
 class Resolver:
-    """Optional DNS check: every address a name resolves to must be public. Small TTL cache."""
+    """Optional DNS check: every address a name resolves to must be public. Small TTL cache.
 
-    def __init__(self, timeout_s: float = 0.5, ttl_s: float = 60.0, max_entries: int = 4096) -> None:
+    getaddrinfo runs on a small shared thread pool (libuv's 4 threads under uvloop) that the
+    upstream connections use too, and a lookup we stop waiting for keeps its thread until the
+    system resolver gives up (10 s and more): names under a DNS server that never answers would
+    starve the data path. So at most `max_lookups` run at once, counted until they really end;
+    beyond that a name is refused for now (not cached)."""
+
+    def __init__(self, timeout_s: float = 0.5, ttl_s: float = 60.0, max_entries: int = 4096, max_lookups: int = 2) -> None:
         self.timeout = timeout_s
         self.ttl = ttl_s
         self.max_entries = max_entries
+        self.max_lookups = max_lookups
+        self.running = 0  # lookups whose thread is still busy
         self._cache: dict[str, tuple[float, str | None]] = {}
 
     async def check(self, host: str) -> None:
         now = time.monotonic()
         cached = self._cache.get(host)
         if cached is None or cached[0] < now:
+            if self.running >= self.max_lookups:
+                raise Forbidden(f"host {host!r} cannot be checked now (too many DNS lookups in progress)")
             verdict = await self._resolve(host)
             if len(self._cache) >= self.max_entries:
                 self._cache.clear()
@@ -167,10 +177,18 @@ class Resolver:
         if cached[1] is not None:
             raise Forbidden(cached[1])
 
+    def _ended(self, lookup: asyncio.Future) -> None:
+        self.running -= 1
+        if not lookup.cancelled():
+            lookup.exception()  # retrieved: a lookup we stopped waiting for logs nothing
+
     async def _resolve(self, host: str) -> str | None:
         loop = asyncio.get_running_loop()
+        lookup = asyncio.ensure_future(loop.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+        self.running += 1
+        lookup.add_done_callback(self._ended)
         try:
-            infos = await asyncio.wait_for(loop.getaddrinfo(host, None, type=socket.SOCK_STREAM), self.timeout)
+            infos = await asyncio.wait_for(asyncio.shield(lookup), self.timeout)
         except (OSError, asyncio.TimeoutError):
             return f"host {host!r} could not be resolved"
         for info in infos:

@@ -8,6 +8,7 @@ Upstreams: a replica whose control-plane answers (/v1/models, /metrics) never en
 from __future__ import annotations
 
 import struct
+import asyncio
 import resource
 import socket
 import socketserver
@@ -282,3 +283,34 @@ def test_an_endless_control_plane_answer_is_cut_off(servers: Servers, path: byte
     assert upstream.hung_up.wait(WAIT), f"the proxy read {upstream.sent >> 20} MiB and kept reading"
     assert upstream.sent < 64 * MIB, f"{upstream.sent >> 20} MiB read"
     assert httpx.get(proxy.url + "/health", timeout=WAIT).status_code == 200
+
+
+# -- the media guard's DNS check ------------------------------------------------------------------
+
+async def test_dns_lookups_that_never_end_cannot_take_the_resolver_threads(monkeypatch) -> None:
+    """Before: each media URL under a DNS server that never answers held a getaddrinfo thread
+    (libuv has 4, shared with upstream connects) long after the 0.5 s check gave up: a few
+    requests a second starved the data path's own name lookups. Now at most 2 run at once."""
+    from proxy.urlguard import Forbidden, Resolver
+
+    loop = asyncio.get_running_loop()
+    answer = asyncio.Event()
+    started: list[str] = []
+
+    async def silent_dns(host, *args, **kwargs):
+        started.append(host)
+        await answer.wait()
+        raise OSError("no answer")
+
+    monkeypatch.setattr(loop, "getaddrinfo", silent_dns)
+    resolver = Resolver(timeout_s=0.05)
+    for i in range(10):
+        with pytest.raises(Forbidden):
+            await resolver.check(f"host{i}.example.net")
+    assert len(started) == 2 and resolver.running == 2  # the others were refused without a lookup
+    answer.set()
+    while resolver.running:
+        await asyncio.sleep(0)
+    with pytest.raises(Forbidden, match="could not be resolved"):
+        await resolver.check("host9.example.net")  # a slot again (its earlier refusal was not cached)
+    assert started[-1] == "host9.example.net"

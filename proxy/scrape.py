@@ -31,7 +31,7 @@ import aiohttp
 from proxy.config import DiscoveryConfig
 from proxy.metrics import Metrics
 from proxy.routing.backends import Backend
-from proxy.tasks import Background
+from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.scrape")
 
@@ -140,7 +140,6 @@ class BackendScraper:
         self.config = config
         self.metrics = metrics
         self._previous: dict[str, _Previous] = {}
-        self._loop = Background()
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(b) for b in self.backends))
@@ -173,8 +172,5 @@ class BackendScraper:
             except KeyError:
                 pass
 
-    def start(self) -> None:
-        self._loop.every(self.config.interval_s, self.scrape_all, "backend scrape round", log)
-
-    async def stop(self) -> None:
-        await self._loop.stop()
+    def start(self, tasks: Supervisor) -> None:
+        tasks.every(self.config.interval_s, self.scrape_all, "backend scrape round", log)

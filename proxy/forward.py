@@ -14,7 +14,7 @@ import asyncio
 from bisect import bisect_left
 from time import perf_counter
 
-import aiohttp
+import httpx
 
 from proxy.asgi import Headers, Send
 from proxy.config import ServerConfig, Timeouts
@@ -105,32 +105,31 @@ class Progress:
 
 class Upstream:
     """The process-wide upstream clients: the lean HTTP/1.1 pool (proxy/http1.py) for the data
-    path, and one aiohttp session for the control plane (discovery, scraping, LoRA admin)."""
+    path, and one httpx client for the control plane (discovery, scraping, probes, LoRA admin:
+    a few requests per replica per interval, where httpx's pool is fine; loadtest/control_plane.py)."""
 
     def __init__(self, server: ServerConfig) -> None:
         self.server = server
-        t = server.timeouts
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.first_byte)
         self.pool = Pool(server.upstream_keep_alive_s, server.max_response_bytes)
         self.tracks: dict[Backend, Track] = {}  # per replica, across config reloads (proxy/watchdog.py)
         self.keepalive = server.sse_keepalive_s
-        self.session: aiohttp.ClientSession | None = None
+        self.session: httpx.AsyncClient | None = None
 
     async def open(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=self.server.upstream_keep_alive_s, ttl_dns_cache=60
-        )
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-            timeout=self.timeout,
+        t = self.server.timeouts
+        self.session = httpx.AsyncClient(
+            # every call also passes its own total timeout (Backend.fetch, LoraManager._post)
+            timeout=httpx.Timeout(None, connect=t.connect, read=t.first_byte),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                                keepalive_expiry=self.server.upstream_keep_alive_s),
+            headers={"user-agent": "vllm-proxy", "accept-encoding": "identity"},
+            trust_env=False,  # no HTTP(S)_PROXY detour: replicas are reached directly
         )
 
     async def close(self) -> None:
         self.pool.close()
         if self.session is not None:
-            await self.session.close()
+            await self.session.aclose()
             self.session = None
 
     async def exchange(

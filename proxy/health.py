@@ -5,7 +5,7 @@ import asyncio
 import logging
 from typing import Callable
 
-import aiohttp
+import httpx
 import orjson
 
 from proxy.config import DiscoveryConfig
@@ -39,7 +39,7 @@ class Discovery:
 
     def __init__(
         self,
-        session: Callable[[], aiohttp.ClientSession],
+        session: Callable[[], httpx.AsyncClient],
         backends: list[Backend],
         config: DiscoveryConfig,
         on_change: Callable[[], None],

@@ -29,7 +29,7 @@ from collections import Counter as Tally
 from hashlib import blake2b
 from typing import Callable, Sequence
 
-import aiohttp
+import httpx
 import orjson
 
 from proxy.config import ProxyConfig
@@ -86,7 +86,7 @@ class LoraManager:
         self,
         config: ProxyConfig,
         backends: list[Backend],
-        session: Callable[[], aiohttp.ClientSession],
+        session: Callable[[], httpx.AsyncClient],
         rebuild: Callable[[], None],
         ops=None,
         load: Callable[[Backend], int] | None = None,
@@ -302,16 +302,14 @@ class LoraManager:
             self._rebuild()
 
     async def _post(self, b: Backend, path: str, payload: dict, timeout: float) -> tuple[int, bytes]:
+        request = self._session().post(b.url + path, content=orjson.dumps(payload), headers=b.headers, timeout=timeout)
         try:
-            async with self._session().post(
-                b.url + path, data=orjson.dumps(payload), headers=b.headers,
-                timeout=aiohttp.ClientTimeout(total=timeout),
-            ) as resp:
-                return resp.status, await resp.read()
-        except asyncio.TimeoutError:
+            resp = await asyncio.wait_for(request, timeout)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
             return 0, f"timed out after {timeout:.1f}s".encode()
-        except aiohttp.ClientError as exc:
+        except httpx.HTTPError as exc:
             return 0, (str(exc) or type(exc).__name__).encode()
+        return resp.status_code, resp.content
 
     async def _wait_freed(self, timeout: float) -> None:
         self._waiters += 1

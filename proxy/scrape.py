@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-import aiohttp
+import httpx
 
 from proxy.config import DiscoveryConfig
 from proxy.metrics import Metrics
@@ -132,7 +132,7 @@ class BackendScraper:
     """Polls every backend's /metrics every `interval_s` and sets the backend-state gauges."""
 
     def __init__(
-        self, session: Callable[[], aiohttp.ClientSession], backends: list[Backend], config: DiscoveryConfig,
+        self, session: Callable[[], httpx.AsyncClient], backends: list[Backend], config: DiscoveryConfig,
         metrics: Metrics,
     ) -> None:
         self._session = session

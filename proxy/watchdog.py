@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Callable
 
-import aiohttp
+import httpx
 
 from proxy.config import HungReplicaConfig
 from proxy.forward import Track, UpstreamFailure
@@ -33,7 +33,7 @@ class Watchdog:
         self,
         config: HungReplicaConfig,
         tracks: dict[Backend, Track],
-        session: Callable[[], aiohttp.ClientSession],
+        session: Callable[[], httpx.AsyncClient],
         on_down: Callable[[Backend], None],
     ) -> None:
         self.config = config

@@ -109,7 +109,7 @@ class ProxyApp:
         except BaseException:
             await new.stop()  # its background tasks end with it
             raise
-        old.hand_over()
+        old.hand_over(new)
         self.runtime = new
         await old.stop()
 

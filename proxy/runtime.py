@@ -67,7 +67,7 @@ class Runtime:
         self.upstream = getattr(previous.upstream, "inner", previous.upstream) if previous else Upstream(config.server)
         if self.tracing is not None:
             self.upstream = self.tracing.upstream(self.upstream)
-        self.owner = previous is None  # opens and finally closes the process-wide parts
+        self.owner = previous is None  # opens the process-wide parts; the owner at the end closes them (hand_over)
         self.draining = previous.draining if previous else False  # SIGTERM received (proxy/drain.py)
         self.watchdog = Watchdog(  # hung replicas (proxy/watchdog.py)
             config.server.hung_replicas, self.upstream.tracks, lambda: self.upstream.session, self._health_changed
@@ -159,6 +159,7 @@ class Runtime:
             await self.response_owners.stop()
             await self.supervisor.stop()
 
-    def hand_over(self) -> None:
-        """The next Runtime owns the process-wide parts now; stopping this one leaves them open."""
-        self.owner = False
+    def hand_over(self, successor: "Runtime") -> None:
+        """`successor` owns the process-wide parts now (it closes them when it stops: the last
+        config's stop ends the process's tasks too); stopping this one leaves them open."""
+        self.owner, successor.owner = False, True

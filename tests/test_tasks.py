@@ -73,7 +73,7 @@ async def test_a_runtime_stops_every_task_it_started_and_a_reload_keeps_the_proc
     process_task = first.supervisor.spawn(asyncio.Event().wait(), "process-wide")
     second = Runtime(config, previous=first)
     await second.start()
-    first.hand_over()
+    first.hand_over(second)
     await first.stop()
     assert first.tasks.running() == [] and not process_task.done()
     assert second.supervisor is first.supervisor and "discovery round" in second.tasks.running()

@@ -33,7 +33,7 @@ def test_models_listing_bytes_are_pinned(servers) -> None:
     for path in (b"/v1/models", b"/models"):
         answer = raw(proxy.port, b"GET %s HTTP/1.1\r\nhost: x\r\n\r\n" % path)
         answer = re.sub(rb"date: [^\r]+\r\n", b"date: *\r\n", answer)
-        assert answer == (b"HTTP/1.1 200 OK\r\ndate: *\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        assert answer == (b"HTTP/1.1 200 OK\r\ndate: *\r\nserver: uvicorn\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                           % (len(body), body))
 
 

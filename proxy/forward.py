@@ -16,6 +16,7 @@ from time import perf_counter
 
 import httpx
 
+from proxy import control
 from proxy.asgi import Headers, Send
 from proxy.config import ServerConfig, Timeouts
 from proxy.errors import ProxyError, normalise_upstream_error
@@ -105,8 +106,8 @@ class Progress:
 
 class Upstream:
     """The process-wide upstream clients: the lean HTTP/1.1 pool (proxy/http1.py) for the data
-    path, and one httpx client for the control plane (discovery, scraping, probes, LoRA admin:
-    a few requests per replica per interval, where httpx's pool is fine; loadtest/control_plane.py)."""
+    path, and one httpx client for the control plane (discovery, scraping, probes, LoRA admin;
+    proxy/control.py)."""
 
     def __init__(self, server: ServerConfig) -> None:
         self.server = server
@@ -117,14 +118,7 @@ class Upstream:
 
     async def open(self) -> None:
         t = self.server.timeouts
-        self.session = httpx.AsyncClient(
-            # every call also passes its own total timeout (Backend.fetch, LoraManager._post)
-            timeout=httpx.Timeout(None, connect=t.connect, read=t.first_byte),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None,
-                                keepalive_expiry=self.server.upstream_keep_alive_s),
-            headers={"user-agent": "vllm-proxy", "accept-encoding": "identity"},
-            trust_env=False,  # no HTTP(S)_PROXY detour: replicas are reached directly
-        )
+        self.session = control.client(self.server.upstream_keep_alive_s, t.connect, t.first_byte)
 
     async def close(self) -> None:
         self.pool.close()

@@ -33,10 +33,10 @@ class PerReplica(httpx.AsyncBaseTransport):
         now = time.monotonic()
         entry = self._pools.get(origin)
         if entry is None:
-            await self._close_idle(now)
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=self.keep_alive_s)
             transport = httpx.AsyncHTTPTransport(limits=limits, verify=self._tls() if url.scheme == "https" else False)
-            entry = self._pools[origin] = [transport, now]
+            entry = self._pools[origin] = [transport, now]  # before any await: one pool per origin
+            await self._close_idle(now)
         entry[1] = now
         return await entry[0].handle_async_request(request)
 

@@ -16,7 +16,7 @@ async def test_one_pool_per_replica_and_idle_pools_close(module_servers, monkeyp
             assert b"data" in await b.fetch(client, "/v1/models", 5.0)
             await b.fetch(client, "/v1/models", 5.0)
         assert len(transport._pools) == 2
-        monkeypatch.setattr(control, "IDLE_CLOSE_S", -1.0)  # every pool counts as idle now
+        monkeypatch.setattr(control, "IDLE_CLOSE_S", 0.0)  # every pool used before now counts as idle
         await backends[2].fetch(client, "/v1/models", 5.0)  # a new replica: the idle ones close
         assert [origin[2] for origin in transport._pools] == [sims[2].port]
     finally:

@@ -5,7 +5,8 @@ httpx's pool (httpcore) looks at every pooled connection for each request it pla
 idle one's socket: one pool shared by N replicas costs O(N) per request, a round over all of them
 O(N^2). Measured with loadtest/control_plane.py at 64 replicas (a discovery and a scrape round):
 1.9 ms of CPU per request, a quarter-second of the serving event loop per round. With a pool per
-replica each placement looks at one connection.
+replica each placement looks at one connection: ~0.5 ms per request (32 KiB /metrics parse
+included; aiohttp's session, before, ~0.19 ms), ~65 ms of CPU per 5 s round at 64 replicas.
 """
 from __future__ import annotations
 

@@ -134,6 +134,8 @@ class Runtime:
             self.scraper.start()
         if self.shared is not None:
             self.shared.start()
+        if hasattr(self.policy, "start"):  # the policy's background work (prefix_affinity's packing repair)
+            self.policy.start()
         log.info(
             "serving %d deployments over %d backends (%d healthy)",
             len(self.catalog), len(self.backends), sum(b.healthy for b in self.backends),
@@ -150,6 +152,8 @@ class Runtime:
         await self.watchdog.stop()
         if self.scraper is not None:
             await self.scraper.stop()
+        if hasattr(self.policy, "stop"):
+            await self.policy.stop()
         if self.shared is not None:
             await self.shared.stop()
         if self.owner:

@@ -532,3 +532,27 @@ def test_the_clock_counts_every_proxys_requests() -> None:
     before = policy.clock
     pick(policy, bs, chat_request(tenant(1), "one more"))
     assert policy.clock - before == pytest.approx(policy.view.proxies, rel=0.05)
+
+
+def test_the_packing_repair_runs_in_the_policys_own_task_not_in_pick() -> None:
+    """`pick` only marks the packing repair due; the task `start` runs (the runtime starts it)
+    applies it, and `stop` ends that task."""
+    async def scenario() -> None:
+        policy = PrefixAffinity(AffinityConfig())
+        bs = backends(4)
+        ran = asyncio.Event()
+
+        async def run(candidates, now) -> None:
+            ran.set()
+
+        policy.repair.run = run  # type: ignore[method-assign]
+        tasks = len(asyncio.all_tasks())
+        await policy.pick(bs, chat_request(tenant(1), "x"), route_for(bs))
+        assert len(asyncio.all_tasks()) == tasks and policy.repair.due is not None  # due; nothing started
+        policy.start()
+        await asyncio.wait_for(ran.wait(), 10)
+        assert policy.repair.due is None
+        await policy.stop()
+        assert len(asyncio.all_tasks()) == tasks
+
+    asyncio.run(scenario())

@@ -400,6 +400,11 @@ def test_decayed_counts_keep_their_scale_across_a_renormalisation() -> None:
     counts.add("a", 0.0)
     counts.add("a", 50.0)  # 50 time constants later: renormalises inside add
     assert counts.value("a", 50.0) == pytest.approx(1.0, abs=1e-6)
+    # a read that renormalises reads the renormalised table (it once divided the old, e^40 too
+    # large, value by the new factor 1)
+    fresh = DecayedCounts(1.0, 0.0)
+    fresh.add("a", 0.0)
+    assert fresh.value("a", 50.0) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_the_same_sequence_routes_the_same_at_any_request_rate() -> None:

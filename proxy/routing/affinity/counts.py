@@ -39,8 +39,16 @@ class DecayedCounts:
         scaled = self.scaled
         scaled[key] = scaled.get(key, 0.0) + up
 
+    def count(self, key, up: float) -> None:
+        """An event of `key`, counted in the total (key None) too; `up` from `factor` (after it:
+        it may renormalise)."""
+        scaled = self.scaled
+        scaled[key] = scaled.get(key, 0.0) + up
+        scaled[None] = scaled.get(None, 0.0) + up
+
     def value(self, key, now: float) -> float:
-        return self.scaled.get(key, 0.0) / self.factor(now)
+        up = self._up if now == self._at else self.factor(now)  # first: it may renormalise (replace) `scaled`
+        return self.scaled.get(key, 0.0) / up
 
     def snapshot(self, now: float) -> dict:
         down = 1.0 / self.factor(now)

@@ -55,10 +55,7 @@ class LoadView:
 
     def count(self, name: str, now: float) -> None:
         """This request went to `name`."""
-        routed = self.routed
-        up = routed.factor(now)
-        routed.add(name, now, up)
-        routed.add(None, now, up)
+        self.routed.count(name, self.routed.factor(now))
         self.recent.add(name, now)
 
     def load(self, backend: Backend) -> int:

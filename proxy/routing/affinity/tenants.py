@@ -48,10 +48,8 @@ class TenantStats:
             rscaled.pop(pin, None)
             fscaled.pop(pin, None)
             seen[pin] = (now, now, 0.0, rscaled.get(None, 0.0) / up, fscaled.get(None, 0.0) / up_fast)
-        rscaled[pin] = rscaled.get(pin, 0.0) + up
-        rscaled[None] = rscaled.get(None, 0.0) + up
-        fscaled[pin] = fscaled.get(pin, 0.0) + up_fast
-        fscaled[None] = fscaled.get(None, 0.0) + up_fast
+        rates.count(pin, up)
+        fast.count(pin, up_fast)
         total = rscaled[None] * self.exposure(pin, now)
         mine = rscaled[pin] / up  # decayed requests of this tenant
         low = max(mine - _IDLE_SIGMAS * math.sqrt(mine), 0.0) * up / total
@@ -87,22 +85,26 @@ class TenantStats:
     def exposure(self, pin: int, now: float, fast: bool = False) -> float:
         """Share of this proxy's decayed request count that arrived since the tenant appeared."""
         seen = self.seen.get(pin)
-        counts = self.fast if fast else self.rate
-        if seen is None or seen[4 if fast else 3] <= 0.0:
+        if seen is None:
             return 1.0
+        before = seen[4] if fast else seen[3]
+        if before <= 0.0:
+            return 1.0
+        counts = self.fast if fast else self.rate
         total = counts.value(None, now)
-        before = seen[4 if fast else 3] * math.exp(-(now - seen[0]) / counts.tau)
+        before = before * math.exp(-(now - seen[0]) / counts.tau)
         return max(1.0 - before / total, 1e-9) if total > 0.0 else 1.0
 
     def estimate(self, pin: int, now: float, fast: bool = False) -> tuple[float, float]:
         """(this tenant's share of the requests routed here, the decayed requests it rests on),
         counted since the tenant appeared: a new tenant's share is not diluted by the window."""
         counts = self.fast if fast else self.rate
+        up = counts.factor(now)  # first: it may renormalise (replace) `scaled`
         scaled = counts.scaled
         total = scaled.get(None, 0.0) * self.exposure(pin, now, fast)
         if total <= 0.0:
             return 0.0, 0.0
-        return min(scaled.get(pin, 0.0) / total, 1.0), total / counts.factor(now)
+        return min(scaled.get(pin, 0.0) / total, 1.0), total / up
 
     def current(self, pin: int, now: float) -> float:
         """The tenant's share over the window, or over its short window when that is clearly
@@ -121,11 +123,12 @@ class TenantStats:
         its prompt costs every replica involved cache room for good."""
         if not self.warm(now):
             return False
+        need = size * self.config.grow_fill
         for fast in (False, True):
             share, seen = self.estimate(pin, now, fast)
             mine = share * seen  # its requests (decayed); Poisson bound: a first request is not "100 %"
             low = max(mine - _GROW_SIGMAS * math.sqrt(mine), 0.0) / max(seen, 1.0)
-            if low * n >= size * self.config.grow_fill:
+            if low * n >= need:
                 return True
         return False
 

@@ -28,10 +28,11 @@ _FILLING = 0.3  # extra relative headroom while the window fills (falls linearly
 class Window:
     """One route's recent decisions: replica name -> how many of the last `size`."""
 
-    __slots__ = ("names", "recent", "counts", "overflow", "filling")
+    __slots__ = ("names", "fleet", "recent", "counts", "overflow", "filling")
 
     def __init__(self, names: tuple[str, ...], before: "Window | None" = None) -> None:
         self.names = names
+        self.fleet: tuple[Backend, ...] = ()
         self.counts: dict[str, int] = dict.fromkeys(names, 0)
         self.recent: deque[str] = deque()
         # a fresh start knows nothing yet: looser while the window fills; after a change of the
@@ -41,6 +42,8 @@ class Window:
 
 
 class Balance:
+    """The guard, with one window per route (each route has its own replicas)."""
+
     def __init__(self, per_replica: float, epsilon: float, continuation_slack: float) -> None:
         self.per_replica = per_replica
         self.epsilon = epsilon
@@ -52,8 +55,12 @@ class Balance:
         """`chosen`, or the replica that takes this request instead; True when it was capped."""
         window = self._routes.get(route)
         n = len(candidates)
-        if window is None or len(window.names) != n or any(a != b.name for a, b in zip(window.names, candidates)):
-            window = self._routes[route] = Window(tuple(b.name for b in candidates), window)
+        fleet = tuple(candidates)
+        if window is None or window.fleet != fleet:  # (the same replica objects: compared by identity)
+            names = tuple(b.name for b in candidates)
+            if window is None or window.names != names:
+                window = self._routes[route] = Window(names, window)
+            window.fleet = fleet
         counts = window.counts
         proxies = max(proxies, 1.0)
         size = max(int(self.per_replica * n / proxies), n)  # this proxy's part of the window
@@ -67,7 +74,7 @@ class Balance:
         counts[name] += 1
         recent = window.recent
         recent.append(name)
-        if filled + 1 > size:
+        while len(recent) > size:  # (size follows the estimate of the number of proxies)
             counts[recent.popleft()] -= 1
         return chosen, capped
 

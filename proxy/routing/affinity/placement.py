@@ -71,7 +71,11 @@ class Placement:
             self._placing = [(b.name, every.get(b.name, 0)) for k, _, b in order[:_PLACE_CHOICES] if k[:3] == first]
             return order[0][2], "place"
         members, stamp = entry
-        here = [where[name] for name in members if name in where]
+        here = []  # its replicas among the candidates (a loop: a comprehension costs a call here)
+        for name in members:
+            i = where.get(name)
+            if i is not None:
+                here.append(i)
         # among its replicas, the one with the least traffic now (the smoothed load lags behind a
         # set that just changed, and would send it all to the newest member for a while)
         now_load = self.load.recent_loads(candidates) if len(here) > 1 else rates

@@ -57,10 +57,15 @@ class PrefixAffinity:
 
     # -- lifecycle: the packing repair's background task ---------------------------------------------
     def start(self) -> None:
+        """Start the background task that runs the packing repair requests mark due."""
         self.repair.start()
 
     async def stop(self) -> None:
         await self.repair.stop()
+
+    async def serve(self) -> None:
+        """That task's body, for a caller that runs its own tasks instead of `start`/`stop`."""
+        await self.repair.serve()
 
     async def maintain(self) -> None:
         """Run the packing repair if a request marked it due (what the background task does;

@@ -68,7 +68,7 @@ class Repair:
     def start(self) -> None:
         """Run due repairs in a background task (for as long as the policy serves)."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            self._task = asyncio.get_running_loop().create_task(self.serve())
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -76,7 +76,8 @@ class Repair:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    async def _loop(self) -> None:
+    async def serve(self) -> None:
+        """Run due repairs until cancelled (what `start` runs; a task supervisor may run it instead)."""
         while True:
             await self._wake.wait()
             try:

@@ -50,11 +50,12 @@ class TenantStats:
             seen[pin] = (now, now, 0.0, rscaled.get(None, 0.0) / up, fscaled.get(None, 0.0) / up_fast)
         rates.count(pin, up)
         fast.count(pin, up_fast)
-        total = rscaled[None] * self.exposure(pin, now)
+        stats = seen[pin]
+        whole = rscaled[None]
+        total = whole * _exposure(stats, 3, whole / up, rates.tau, now)
         mine = rscaled[pin] / up  # decayed requests of this tenant
         low = max(mine - _IDLE_SIGMAS * math.sqrt(mine), 0.0) * up / total
-        first, _, _, before, before_fast = seen[pin]
-        seen[pin] = (first, now, low, before, before_fast)
+        seen[pin] = (stats[0], now, low, stats[3], stats[4])
 
     def idle(self, pin: int, now: float, wall: float) -> bool:
         """No request of this tenant for 6 of its mean gaps (as this proxy sees them: 1/N of its
@@ -84,24 +85,22 @@ class TenantStats:
 
     def exposure(self, pin: int, now: float, fast: bool = False) -> float:
         """Share of this proxy's decayed request count that arrived since the tenant appeared."""
-        seen = self.seen.get(pin)
-        if seen is None:
-            return 1.0
-        before = seen[4] if fast else seen[3]
-        if before <= 0.0:
-            return 1.0
         counts = self.fast if fast else self.rate
-        total = counts.value(None, now)
-        before = before * math.exp(-(now - seen[0]) / counts.tau)
-        return max(1.0 - before / total, 1e-9) if total > 0.0 else 1.0
+        return _exposure(self.seen.get(pin), 4 if fast else 3, counts.value(None, now), counts.tau, now)
 
     def estimate(self, pin: int, now: float, fast: bool = False) -> tuple[float, float]:
         """(this tenant's share of the requests routed here, the decayed requests it rests on),
         counted since the tenant appeared: a new tenant's share is not diluted by the window."""
-        counts = self.fast if fast else self.rate
+        if fast:
+            return self._estimate(pin, now, self.fast, self.seen.get(pin), 4)
+        return self._estimate(pin, now, self.rate, self.seen.get(pin), 3)
+
+    @staticmethod
+    def _estimate(pin: int, now: float, counts: DecayedCounts, stats, at: int) -> tuple[float, float]:
         up = counts.factor(now)  # first: it may renormalise (replace) `scaled`
         scaled = counts.scaled
-        total = scaled.get(None, 0.0) * self.exposure(pin, now, fast)
+        whole = scaled.get(None, 0.0)
+        total = whole * _exposure(stats, at, whole / up, counts.tau, now)
         if total <= 0.0:
             return 0.0, 0.0
         return min(scaled.get(pin, 0.0) / total, 1.0), total / up
@@ -124,8 +123,9 @@ class TenantStats:
         if not self.warm(now):
             return False
         need = size * self.config.grow_fill
-        for fast in (False, True):
-            share, seen = self.estimate(pin, now, fast)
+        stats = self.seen.get(pin)
+        for counts, at in ((self.rate, 3), (self.fast, 4)):
+            share, seen = self._estimate(pin, now, counts, stats, at)
             mine = share * seen  # its requests (decayed); Poisson bound: a first request is not "100 %"
             low = max(mine - _GROW_SIGMAS * math.sqrt(mine), 0.0) / max(seen, 1.0)
             if low * n >= need:
@@ -164,3 +164,15 @@ class TenantStats:
         self.seen = {p: v for p, v in self.seen.items() if p in pins}
         for counts in (self.rate, self.fast):
             counts.scaled = {k: v for k, v in counts.scaled.items() if k is None or k in pins}
+
+
+def _exposure(stats: tuple | None, at: int, total: float, tau: float, now: float) -> float:
+    """Share of `total` (this proxy's decayed request count, time constant `tau`) that arrived
+    since the tenant (`stats`: its `seen` entry; `at`: where its count before it is) appeared."""
+    if stats is None:
+        return 1.0
+    before = stats[at]
+    if before <= 0.0:
+        return 1.0
+    before = before * math.exp(-(now - stats[0]) / tau)
+    return max(1.0 - before / total, 1e-9) if total > 0.0 else 1.0

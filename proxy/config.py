@@ -266,6 +266,13 @@ class AffinityConfig(Strict):
         1.0, ge=0, description="standard deviations of a replica's smoothed count (sqrt of the mean) it may exceed "
         "the (1+eps) x mean bound by: the count's own noise is no reason to spill"
     )
+    balance_window_requests: float = Field(
+        200.0, ge=0, description="balance guard (proxy/routing/affinity/balance.py): over the last this many requests "
+        "per replica (over all proxies), no replica takes more than (1 + balance_epsilon) x mean + 10 of them, whatever "
+        "the cache says; 0 turns the guard off (more prefix hits at a fresh start, ~1.2-1.7x the mean load on one "
+        "replica for a while after the workload changes)"
+    )
+    balance_epsilon: float = Field(0.03, ge=0, le=10, description="headroom of the balance guard over the mean")
     continuation_slack: float = Field(
         0.1, ge=0, description="extra relative headroom a conversation's continuation gets on the replica holding it"
     )

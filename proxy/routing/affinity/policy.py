@@ -13,6 +13,7 @@ from proxy.prefix import prefix_key
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
 from proxy.routing.index import PrefixIndex
+from proxy.routing.affinity.balance import Balance
 from proxy.routing.affinity.counts import DecayedCounts
 from proxy.routing.affinity.load import LoadView
 from proxy.routing.affinity.placement import Placement
@@ -44,6 +45,8 @@ class PrefixAffinity:
         self.tenants = TenantStats(config, self.view, self.pins)
         self.table = TenantTable(config, self.store, self.tenants, timer.time)
         self.repair = Repair(config, self.view, self.tenants, self.table, self.store, timer.time)
+        self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack)
+                        if config.balance_window_requests else None)
         self.placement = Placement(config, self.view, self.tenants, self.table, self.store, self.repair.soon)
         # route -> replica names of its last request; and (its replicas, name -> position) to
         # skip comparing names while the candidates are the same objects
@@ -114,6 +117,12 @@ class PrefixAffinity:
         tenants = self.tenants
         returning = self.placement.returning = pin in self.pins and tenants.idle(pin, now, wall)
         chosen, reason = self.placement.decide(candidates, where, pin, key.pin_blocks, match, now, wall)
+        if self.balance is not None:
+            entry = self.pins.get(pin)
+            chosen, capped = self.balance.check(route.name, candidates, chosen, pin, entry[0] if entry else (),
+                                                match[1] == chosen.name and match[0] > key.pin_blocks, self.view.proxies)
+            if capped:
+                reason = "balance"
         name = chosen.name
         self.view.count(name, now)
         tenants.note(pin, now, returning)

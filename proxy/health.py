@@ -5,12 +5,12 @@ import asyncio
 import logging
 from typing import Callable
 
-import aiohttp
+import httpx
 import orjson
 
 from proxy.config import DiscoveryConfig
 from proxy.routing.backends import Backend
-from proxy.tasks import Background
+from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.health")
 
@@ -39,7 +39,7 @@ class Discovery:
 
     def __init__(
         self,
-        session: Callable[[], aiohttp.ClientSession],
+        session: Callable[[], httpx.AsyncClient],
         backends: list[Backend],
         config: DiscoveryConfig,
         on_change: Callable[[], None],
@@ -50,7 +50,6 @@ class Discovery:
         self.config = config
         self.on_change = on_change
         self.on_health = on_health
-        self._loop = Background()
 
     async def poll_all(self) -> None:
         changed = any(await asyncio.gather(*(self.poll(b) for b in self.backends)))
@@ -83,9 +82,6 @@ class Discovery:
             backend.adapters, changed = adapters, True
         return changed
 
-    def start(self) -> None:
+    def start(self, tasks: Supervisor) -> None:
         """Poll every interval; the first round ran already in `Runtime.start`."""
-        self._loop.every(self.config.interval_s, self.poll_all, "discovery round", log, wait_first=True)
-
-    async def stop(self) -> None:
-        await self._loop.stop()
+        tasks.every(self.config.interval_s, self.poll_all, "discovery round", log, wait_first=True)

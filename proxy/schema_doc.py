@@ -12,7 +12,6 @@ import typing
 from pathlib import Path
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 from proxy.config import ProxyConfig
 
@@ -47,12 +46,12 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, 
             out.append((path + ("[]" if is_list else ""), nested.__name__, "", " ".join((nested.__doc__ or "").split("\n\n")[0].split())))
             out.extend(rows(nested, path + ("[]." if is_list else ".")))
             continue
-        if field.default is not PydanticUndefined:
-            default = repr(field.default).replace("|", "\\|")
+        if field.is_required():
+            default = "required"
         elif field.default_factory is not None:
             default = repr(field.default_factory())
         else:
-            default = "required"
+            default = repr(field.default).replace("|", "\\|")
         out.append((path, _type_name(field.annotation), default, field.description or ""))
     return out
 

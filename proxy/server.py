@@ -46,6 +46,23 @@ _DISCONNECT_MESSAGE = {"type": "http.disconnect"}
 _feed = HttpToolsProtocol.data_received  # called directly: super() costs per read
 
 
+# uvicorn options the lean cycle cannot honour (it bypasses the code that applies them), with
+# their defaults: refused rather than silently ignored (`refuse_unsupported`)
+UNSUPPORTED_OPTIONS = {"limit_concurrency": None, "root_path": "", "reset_contextvars": False}
+
+
+def refuse_unsupported(config: Any) -> None:
+    """Raise ValueError naming every UNSUPPORTED_OPTIONS entry `config` (a uvicorn.Config) sets."""
+    found = [f"{name}={getattr(config, name)!r}" for name, default in UNSUPPORTED_OPTIONS.items()
+             if getattr(config, name, default) != default]
+    if found:
+        raise ValueError(
+            f"uvicorn option(s) {', '.join(found)} not supported with vllm-proxy's HTTP protocol "
+            "(proxy/server.py): its inference cycle bypasses them. Leave them unset (concurrency: "
+            "server.max_queue and backends[].max_in_flight)."
+        )
+
+
 _HEAD, _BODY, _REST, _LINGER = range(4)  # reading a head, a body; neither (app or keep-alive); refused
 _LINGER_S = 2.0  # after a refusal, read and discard this long so the client sees the answer, not a reset
 
@@ -77,6 +94,8 @@ class ProxyProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, limits: tuple | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.limit_concurrency is not None or self.root_path or self.config.reset_contextvars:
+            refuse_unsupported(self.config)  # under a server other than DrainingServer (which refuses at startup)
         if limits is not None:
             for name, value in zip(self._LIMITS, limits):
                 setattr(self, name, value)
@@ -142,11 +161,15 @@ class ProxyProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         """Answer `status` with an error envelope and close (the request is not read further). A
-        request whose app already runs is only cut off: it may have answered already."""
+        request whose app already answered in part is only cut off; one whose app still waits for
+        the body (a malformed chunk after a valid head) sees a disconnect and we answer for it."""
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
-            self.transport.close()
-            return
+            if cycle._started if type(cycle) is LeanCycle else cycle.response_started:
+                self.transport.close()
+                return
+            cycle.disconnected = cycle.response_complete = True  # the app answers nothing more
+            cycle.message_event.set()
         body = ProxyError(status, message, code=code).body()
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:

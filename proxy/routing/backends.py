@@ -1,10 +1,11 @@
 """Live state of each vLLM replica: health, what it serves, and the proxy's in-flight count."""
 from __future__ import annotations
 
+import asyncio
 from hashlib import blake2b
-
-import aiohttp
 from urllib.parse import urlsplit
+
+import httpx
 
 from proxy.config import BackendConfig
 from proxy.parse import ENDPOINTS
@@ -51,14 +52,18 @@ class Backend:
         # prefix-cache size (num_gpu_blocks x block_size) from its /metrics; None until scraped
         self.cache_tokens: int | None = None
 
-    async def fetch(self, session, path: str, timeout_s: float) -> bytes:
-        """GET a control-plane path (`/v1/models`, `/metrics`) with the replica's key; the body of
-        a 200, else an exception (any failure means "no answer now")."""
+    async def fetch(self, client: httpx.AsyncClient, path: str, timeout_s: float) -> bytes:
+        """GET a control-plane path (`/v1/models`, `/metrics`) with the replica's key, within
+        `timeout_s` in all; the body of a 200, else an exception (any failure means "no answer
+        now"; running out of time is an asyncio.TimeoutError)."""
         auth = {"Authorization": self.headers["Authorization"]} if "Authorization" in self.headers else None
-        async with session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout_s), headers=auth) as resp:
-            if resp.status != 200:
-                raise ValueError(f"HTTP {resp.status}")
-            return await resp.read()
+        try:
+            resp = await asyncio.wait_for(client.get(self.url + path, headers=auth, timeout=timeout_s), timeout_s)
+        except httpx.TimeoutException:
+            raise asyncio.TimeoutError() from None
+        if resp.status_code != 200:
+            raise ValueError(f"HTTP {resp.status_code}")
+        return resp.content
 
     def head_prefix(self, method: str, target: str, content_type: bytes = b"application/json") -> bytes:
         """The request line and fixed headers for any other endpoint (`target`: path and query)."""

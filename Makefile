@@ -20,8 +20,13 @@ demo: $(STAMP)
 redis:  # installs redis-server if missing; tests start their own on a free port
 	@sh deploy/ensure-redis.sh
 
+# The suite mostly waits on real servers (streams, timeouts under test, subprocesses), so it runs
+# in 4 processes even on 2 cores; whole files per process, so module-scoped fleets start once.
+# `make test PYTEST_ARGS=` runs it in one process.
+PYTEST_ARGS ?= -n 4 --dist loadfile --no-loadscope-reorder
+
 test: $(STAMP) redis
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m loadtest.overhead

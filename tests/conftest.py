@@ -17,6 +17,17 @@ reuse_default_ssl_context()
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
+# The files that take longest (10-30 s each, mostly waiting on real servers), started first: under
+# `make test` (pytest-xdist, whole files per process, collection order) none is left running alone
+# at the end while the other processes idle.
+LONGEST_FIRST = ("test_packaging.py", "test_discovery.py", "test_hung_replicas.py", "test_hardening.py",
+                 "test_faults.py", "test_fuzz_guard.py", "test_operator.py", "test_operations.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 class Servers:
     """Starts servers on demand and stops them all at teardown."""

@@ -23,7 +23,7 @@ from proxy.sim.app import create_app
 from proxy.sim.config import SimConfig
 from tests.conftest import MODEL, eventually, sim_of
 from tests.kubeapi import PODS, SLICES, KubeApiStandIn, endpoint_slice, pod
-from tests.support import ServerThread
+from tests.support import ServerThread, sim_faults
 
 WAIT = 30.0  # generous: conditions, not sleeps, end the waits
 
@@ -241,13 +241,19 @@ def test_scale_2_6_2_under_streaming_load(fleet: Fleet) -> None:
             entry_s.append(time.monotonic() - turned_ready)
         load.more(40)
         # scale down: four pods are deleted (terminating: not ready, deletionTimestamp set);
-        # the replicas keep serving during their grace period, as vLLM does
+        # the replicas keep serving during their grace period, as vLLM does. What they run is held
+        # (the sims' gate) until they have left routing, so the drain has something to finish
         leaving = [f"k8s/vllm-{i}" for i in range(2, 6)]
         backends = [fleet.known(n) for n in leaving]
+        for s in sims[2:]:
+            sim_faults(s.url, hold=True)
+        assert eventually(lambda: sum(sim_of(s).engine.held for s in sims[2:]) > 0, WAIT)
         for i in range(2, 6):
             api.put(PODS, pod(f"vllm-{i}", "127.0.0.1", sims[i].port, ready=False, terminating=True))
         assert eventually(lambda: not fleet.routed() & set(leaving), WAIT)
         in_flight_at_leave = sum(b.in_flight for b in backends)
+        for s in sims[2:]:
+            sim_faults(s.url, hold=False)
         assert eventually(lambda: all(b.in_flight == 0 for b in backends), WAIT)  # drained
         counts = [served(s) for s in sims[2:]]
         load.more(60)

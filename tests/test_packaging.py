@@ -21,9 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_ports(count: int) -> int:
-    """A base port with `count` consecutive free ports (the demo puts its replicas after the proxy)."""
+    """A base port with `count` consecutive free ports (the demo puts its replicas after the proxy),
+    below Linux's ephemeral range (32768+): the servers other test processes start on port 0, and
+    their outgoing connections, cannot take one between this probe and the demo's bind."""
     for _ in range(200):
-        base = random.randrange(20000, 60000)
+        base = random.randrange(20000, 32000)
         sockets = []
         try:
             for port in range(base, base + count):

@@ -292,6 +292,7 @@ async def test_max_loras_makes_other_adapters_wait():
             first = asyncio.create_task(client.chat.completions.create(model="a", **kwargs))
             await until(lambda: engine.held == 1)
             base = asyncio.create_task(client.chat.completions.create(model=BASE, **kwargs))
+            await until(lambda: engine.held == 2)  # (sent together, "b" could arrive first: base would queue behind it)
             second = asyncio.create_task(client.chat.completions.create(model="b", **kwargs))
             # "a" and the base request scheduled, "b" waits for the one LoRA slot
             await until(lambda: engine.held == 2 and len(engine.waiting) == 1)

@@ -313,7 +313,9 @@ class Pool:
         deadline = time.monotonic() - self.keep_alive_s
         while idle:
             conn = idle.pop()
-            if not conn.closed and conn.idle_since > deadline:
+            # `closed` follows connection_lost, which uvloop runs a moment after the transport
+            # closed: a connection closing in between is as dead
+            if not conn.closed and conn.idle_since > deadline and not conn.transport.is_closing():
                 return conn
             conn.abort()
         return None

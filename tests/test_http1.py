@@ -214,6 +214,21 @@ async def test_a_pooled_connection_closed_while_idle_is_not_used() -> None:
         assert upstream.requests == 2
 
 
+async def test_a_pooled_connection_whose_transport_is_closing_is_not_used() -> None:
+    """The transport closes before connection_lost runs (uvloop: a moment later): in between,
+    the pool handed out the dead connection and the request failed (a 500 under load)."""
+    async with Upstream(ok(b"first"), ok(b"second")) as upstream:
+        pool = Pool(4.0)
+        assert await fetch(pool, upstream) == (200, b"first")
+        (conn,) = pool._idle[upstream.key]
+        conn.transport.close()  # connection_lost is only scheduled
+        resp = await pool.request(upstream.key, REQUEST, BODY, Timeouts())  # no await before the reuse
+        try:
+            assert (resp.status, await asyncio.wait_for(resp.read(), WAIT)) == (200, b"second")
+        finally:
+            resp.release()
+
+
 async def drip(writer: asyncio.StreamWriter, data: bytes, gap: float = 0.05) -> None:
     for i in range(len(data)):
         writer.write(data[i:i + 1])

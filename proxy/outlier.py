@@ -8,11 +8,11 @@ a slow fleet into an empty one.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, Iterable
 
 from proxy.config import OutlierConfig
 from proxy.routing.backends import Backend
+from proxy.routing.clock import SYSTEM, Clock
 
 log = logging.getLogger("vllm_proxy.outlier")
 
@@ -22,8 +22,10 @@ def available(backend: Backend, now: float) -> bool:
 
 
 class Outliers:
-    def __init__(self, config: OutlierConfig, peers: Callable[[Backend], Iterable[tuple[Backend, ...]]]) -> None:
+    def __init__(self, config: OutlierConfig, peers: Callable[[Backend], Iterable[tuple[Backend, ...]]],
+                 clock: Clock = SYSTEM) -> None:
         self.config = config
+        self.clock = clock
         self.peers = peers  # the replica sets (one per deployment) that `backend` belongs to
 
     def success(self, backend: Backend) -> None:
@@ -35,7 +37,7 @@ class Outliers:
         backend.errors_in_row += 1
         if backend.errors_in_row < self.config.consecutive_failures:
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if backend.ejected_until > now:
             return
         for group in self.peers(backend):

@@ -21,7 +21,10 @@ from proxy.outlier import Outliers
 from proxy.retry import RetryBudget
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route, build_catalog
-from proxy.routing.policies import make_policy
+from proxy.routing.clock import SYSTEM, Clock
+from proxy.routing.plugins import Env
+from proxy.routing.profiles import build as build_profile
+from proxy.routing.scheduler import Scheduler
 from proxy.scrape import BackendScraper
 from proxy.shared import SharedState
 from proxy.watchdog import Watchdog
@@ -34,8 +37,9 @@ class Runtime:
     over the process-wide parts (metrics, upstream client) and every replica whose settings did
     not change (with its health, discovered models and in-flight counts)."""
 
-    def __init__(self, config: ProxyConfig, previous: "Runtime | None" = None) -> None:
+    def __init__(self, config: ProxyConfig, previous: "Runtime | None" = None, clock: Clock = SYSTEM) -> None:
         self.config = config
+        self.clock = clock
         self.metrics = previous.metrics if previous else Metrics(enabled=config.metrics.enabled)
         # observability (proxy/metrics.py, proxy/accesslog.py, proxy/scrape.py)
         self.access = AccessLog(config.logging) if config.logging.access_log else None
@@ -43,7 +47,17 @@ class Runtime:
         kept = {b.config.model_dump_json(): b for b in previous.backends} if previous else {}
         self.backends = [kept.get(b.model_dump_json()) or Backend(b) for b in config.backends]
         self.shared: SharedState | None = None
-        if config.redis is not None:
+        # routing state (a profile's learned placements, its shared Redis state) outlives a reload
+        # that leaves `routing` and `redis` as they were (proxy/routing/profiles.py)
+        keep = previous is not None and (previous.config.routing, previous.config.redis) == (config.routing, config.redis)
+        self.routing_kept = keep
+        self.routing_given = False  # taken by the next Runtime (once it started): stopping this one leaves it
+        self._taken_from = previous if keep else None
+        if keep:
+            self.shared = previous.shared
+            if self.shared is not None:
+                self.shared.local_load = lambda: {b.name: b.in_flight for b in self.backends}
+        elif config.redis is not None:
             self.shared = SharedState(
                 config.redis.url,
                 ttl_s=config.routing.prefix_affinity.shared_ttl_s,
@@ -55,7 +69,8 @@ class Runtime:
             )
         # optional OpenTelemetry: wraps the policy and the upstream client (proxy/tracing.py)
         self.tracing = Tracing(config.tracing) if config.tracing.enabled else None
-        self.policy = make_policy(config.routing, self.shared)
+        self.profile = previous.profile if keep else build_profile(config.routing, Env(config.routing, clock, self.shared))
+        self.policy = self.profile.policy
         if self.tracing is not None:
             self.policy = self.tracing.policy(self.policy)
         self.catalog: dict[str, Route] = {}
@@ -90,12 +105,15 @@ class Runtime:
             self.scraper = BackendScraper(lambda: self.upstream.session, self.backends, config.discovery, self.metrics)
         self.lora = LoraManager(
             config, self.backends, lambda: self.upstream.session, self.rebuild_catalog,
-            self.metrics.lora_ops, getattr(self.policy, "load", None),
+            self.metrics.lora_ops, getattr(self.profile.policy, "load", None), clock,
         )
+        self.profile.env.lora = self.lora
         self.auth = Authenticator(config.auth) if config.auth.keys else None
-        self.outliers = Outliers(config.server.outlier, self._groups_of)
+        self.outliers = Outliers(config.server.outlier, self._groups_of, clock)
         self.retries = RetryBudget(config.server.retries)
         self.admission = Admission(config.server.max_queue, config.server.queue_timeout_s)
+        self.scheduler = Scheduler(self.profile, self.admission, clock)
+        self.scheduler.policy = self.policy  # (traced, if tracing is on)
         self.max_body_bytes = config.server.max_body_bytes
         self.explain = config.server.explain_headers
 
@@ -132,8 +150,11 @@ class Runtime:
         self.lora.start()
         if self.scraper is not None:
             self.scraper.start()
-        if self.shared is not None:
+        if self.shared is not None and not self.routing_kept:
             self.shared.start()
+        if self._taken_from is not None:
+            self._taken_from.routing_given = True
+            self._taken_from = None
         log.info(
             "serving %d deployments over %d backends (%d healthy)",
             len(self.catalog), len(self.backends), sum(b.healthy for b in self.backends),
@@ -150,7 +171,7 @@ class Runtime:
         await self.watchdog.stop()
         if self.scraper is not None:
             await self.scraper.stop()
-        if self.shared is not None:
+        if self.shared is not None and not self.routing_given:
             await self.shared.stop()
         if self.owner:
             await self.upstream.close()

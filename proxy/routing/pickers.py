@@ -1,0 +1,62 @@
+"""Pickers: one candidate from the scorers' weighted sums."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from proxy.routing.backends import Backend
+from proxy.routing.plugins import Picker, register
+
+
+class PickParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reason: str = Field("scored", min_length=1, description="the route reason (metrics, explain header) of its picks")
+
+
+@register
+class MaxScore(Picker):
+    """The highest sum; ties rotate, so equal replicas share the work."""
+
+    name = "max_score"
+    Params = PickParams
+
+    def __init__(self, params, env) -> None:
+        super().__init__(params, env)
+        self.reason = params.reason
+        self._next = 0
+
+    def choose(self, candidates: Sequence[Backend], totals: list[float] | None) -> int:
+        self._next += 1
+        n = len(candidates)
+        best = self._next % n
+        if totals is None:
+            return best
+        top = totals[best]
+        for i in range(best + 1, best + n):
+            j = i % n
+            if totals[j] > top:
+                best, top = j, totals[j]
+        return best
+
+
+class RoundRobinParams(PickParams):
+    reason: str = Field("round-robin", min_length=1, description="the route reason of its picks")
+
+
+@register
+class RoundRobin(Picker):
+    """Each candidate in turn, whatever the scores."""
+
+    name = "round_robin"
+    Params = RoundRobinParams
+
+    def __init__(self, params, env) -> None:
+        super().__init__(params, env)
+        self.reason = params.reason
+        self._next = 0
+
+    def choose(self, candidates: Sequence[Backend], totals: list[float] | None) -> int:
+        self._next += 1
+        return self._next % len(candidates)

@@ -1,5 +1,5 @@
-"""The filters every built-in profile runs, in this order (what `choose()` did inline before):
-available (healthy, not ejected), trusted_multimodal, untried (on a retry), free_slot."""
+"""The filters every built-in profile runs, in this order: available (healthy, not ejected),
+trusted_multimodal, untried (on a retry), free_slot."""
 from __future__ import annotations
 
 from typing import ClassVar, Sequence
@@ -8,9 +8,6 @@ from proxy.outlier import available
 from proxy.routing.backends import Backend
 from proxy.routing.plugins import Filter, register
 from proxy.routing.scheduler import Lease
-
-STANDARD = ("available", "trusted_multimodal", "untried", "free_slot")
-
 
 @register
 class Available(Filter):

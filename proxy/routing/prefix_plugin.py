@@ -4,6 +4,7 @@ bound) and records the decision itself. Its weight is what that proposal counts 
 other scorers; alone in a profile its choice is final and nothing else runs."""
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
 from proxy.config import AffinityConfig
@@ -25,7 +26,10 @@ class PrefixAffinityScorer(Scorer):
 
     def __init__(self, params: AffinityConfig, env: Env) -> None:
         super().__init__(params, env)
-        self.policy = PrefixAffinity(params, env.shared)
+        if "clock" in inspect.signature(PrefixAffinity).parameters:  # (once its time reads take a clock)
+            self.policy = PrefixAffinity(params, env.shared, clock=env.clock)
+        else:
+            self.policy = PrefixAffinity(params, env.shared)
 
     async def propose(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
         return await self.policy.pick(candidates, request, route)

@@ -123,7 +123,9 @@ def test_filters_leave_out_down_ejected_untrusted_and_tried_replicas() -> None:
 
 def test_the_lease_counts_from_the_pick_until_the_with_ends() -> None:
     backends = fleet(2)
-    sched = scheduler()
+    for b in backends:
+        b.adapters = {"sql": "m"}
+    sched = scheduler({"policy": "p", "profiles": {"p": {"scorers": ["least_loaded"], "hooks": []}}})
 
     async def go() -> None:
         lease = await sched.schedule(route_of(backends, adapter="sql"), REQUEST)

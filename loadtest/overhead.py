@@ -17,6 +17,7 @@ default (on). Beside it: `proxy-affinity` (prefix_affinity, no Redis), `proxy-la
     python -m loadtest.overhead                        # all contenders found, 3 rounds x 10 s
     python -m loadtest.overhead --duration 5 --only direct,proxy,vllm-router
     python -m loadtest.overhead --only direct,proxy,proxy-slow-redis,vllm-router --redis-delay-ms 100
+    python -m loadtest.overhead --only direct,proxy-lab,proxy-lab@HEAD~3   # A/B against a commit
 """
 from __future__ import annotations
 
@@ -96,8 +97,8 @@ class Bench:
         self.relay_port = 0
 
     # --- processes -------------------------------------------------------------------------
-    def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> Proc:
-        proc = spawn(name, self.server_cpu + cmd, self.tmp, env)
+    def spawn(self, name: str, cmd: list[str], env: dict | None = None, cwd: Path = ROOT) -> Proc:
+        proc = spawn(name.replace("/", "_"), self.server_cpu + cmd, self.tmp, env, cwd)
         self.procs.append(proc)
         return proc
 
@@ -134,6 +135,7 @@ class Bench:
         """Start one contender in front of `backend`; raise with a reason if it cannot run."""
         port = free_port()
         c = Contender(name, port)
+        cwd = ROOT
         peers = Path(self.args.peers_venv) / "bin"
         if name == "direct":
             c.port = int(backend.rsplit(":", 1)[1])
@@ -141,12 +143,13 @@ class Bench:
         if name == "passthrough":
             cmd = [sys.executable, "-m", "loadtest.passthrough", "--port", str(port), "--upstream", backend]
             ready = "/health"
-        elif name in PROXIES:
+        elif name.partition("@")[0] in PROXIES:
+            variant, _, ref = name.partition("@")
             exe = Path(sys.executable).with_name("vllm-proxy")
             if not exe.exists():
                 raise RuntimeError(f"{exe} not found (pip install -e . in the project venv)")
-            policy, redis_kind = PROXIES[name]
-            cfg = self.tmp / f"{name}.yaml"
+            policy, redis_kind = PROXIES[variant]
+            cfg = self.tmp / f"{name.replace('/', '_')}.yaml"
             text = (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n"
                     f'  - {{name: b0, url: "{backend}", models: [bench-model]}}\n'
                     f"routing: {{policy: {policy}}}\n")
@@ -156,6 +159,9 @@ class Bench:
                 text += "logging: {access_log: false}\n"
             cfg.write_text(text)
             cmd = [str(exe), "serve", "--config", str(cfg), "--port", str(port)]
+            if ref:  # the same configuration, served by the code of an earlier commit
+                cwd = self.tree(ref)
+                cmd[:1] = [sys.executable, "-m", "proxy"]
             if self.args.proxy_workers:
                 cmd += ["--workers", str(self.args.proxy_workers)]
             ready = "/ready"
@@ -171,9 +177,19 @@ class Bench:
             ready = "/readiness"
         else:
             raise RuntimeError(f"unknown contender {name!r}")
-        c.proc = self.spawn(name, cmd)
+        c.proc = self.spawn(name, cmd, cwd=cwd)
         self.wait_ready(c.proc, f"http://{HOST}:{port}{ready}", timeout=60)
         return c
+
+    def tree(self, ref: str) -> Path:
+        """The project at git commit `ref`, extracted once (`proxy@REF` contenders run from it:
+        `python -m proxy` imports the package from the working directory, ahead of ours)."""
+        tree = self.tmp / "trees" / ref.replace("/", "_")
+        if not tree.exists():
+            tree.mkdir(parents=True)
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "proxy"], capture_output=True, check=True)
+            subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        return tree
 
     # --- correctness check and load --------------------------------------------------------
     def verify(self, c: Contender) -> None:

@@ -35,9 +35,9 @@ class Proc:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
-def spawn(name: str, cmd: list[str], logs: Path, env: dict | None = None) -> Proc:
+def spawn(name: str, cmd: list[str], logs: Path, env: dict | None = None, cwd: Path = ROOT) -> Proc:
     log = logs / f"{name}.log"
-    popen = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    popen = subprocess.Popen(cmd, cwd=cwd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                              start_new_session=True, env={**os.environ, **(env or {})})
     return Proc(name, popen, log)
 

@@ -142,11 +142,15 @@ class ProxyProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         """Answer `status` with an error envelope and close (the request is not read further). A
-        request whose app already runs is only cut off: it may have answered already."""
+        request whose app already answered in part is only cut off; one whose app still waits for
+        the body (a malformed chunk after a valid head) sees a disconnect and we answer for it."""
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
-            self.transport.close()
-            return
+            if cycle._started if type(cycle) is LeanCycle else cycle.response_started:
+                self.transport.close()
+                return
+            cycle.disconnected = cycle.response_complete = True  # the app answers nothing more
+            cycle.message_event.set()
         body = ProxyError(status, message, code=code).body()
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:

@@ -167,6 +167,18 @@ def test_malformed_request_is_an_error_envelope(guarded) -> None:
     assert answer.startswith(b"HTTP/1.1 400") and b'"error"' in answer
 
 
+@pytest.mark.parametrize("path", [b"/v1/chat/completions", b"/v1/unknown"])
+def test_malformed_chunk_after_a_valid_head_is_an_error_envelope(guarded, path: bytes) -> None:
+    """Before: the app already ran for the valid head, so a bad chunk size closed the connection
+    without an answer. `path`: the lean inference cycle and uvicorn's own cycle."""
+    with connect(guarded) as sock:
+        sock.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n5\r\n{\"a\":\r\nzz\r\n" % path)
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 400") and b'"invalid_http_request"' in answer
+    assert answer.count(b"HTTP/1.1") == 1  # the app's own answer (a 404, a 500) never follows
+
+
 # -- upstreams ----------------------------------------------------------------------------------
 
 class Scripted(socketserver.ThreadingTCPServer):

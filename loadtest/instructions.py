@@ -1,0 +1,124 @@
+"""Instructions per request (valgrind callgrind): a cost measure that does not depend on what else
+the machine runs, for A/B comparisons that wall-clock timings on a shared 2-core box cannot settle.
+
+The proxy runs under callgrind with instrumentation off; after a warm-up, instrumentation is
+switched on for exactly `--requests` sequential keep-alive requests (a client in this process,
+not instrumented), then the counts are dumped and read. Each `--refs` entry runs the same
+configuration on the code of that git commit (`.` is the working tree). Counts repeat to well
+under 1 % from run to run; they weigh every instruction alike (a cache miss costs nothing here),
+so read them beside the overhead benchmark, not instead of it.
+
+    python -m loadtest.instructions --refs .,58e13fe                 # lab config, plain requests
+    python -m loadtest.instructions --refs .,HEAD~5 --policy prefix_affinity --redis --stream
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from loadtest.overhead import CHAT, HOST, free_port
+from loadtest.private_redis import PrivateRedis
+from loadtest.procs import ROOT, spawn, wait_ready
+
+
+def tree(ref: str, tmp: Path) -> Path:
+    if ref == ".":
+        return ROOT
+    out = tmp / ref.replace("/", "_")
+    out.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "proxy"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out
+
+
+def send(port: int, n: int, stream: bool) -> None:
+    body = json.dumps({**CHAT, "stream": stream}).encode()
+    conn = http.client.HTTPConnection(HOST, port, timeout=120)
+    for _ in range(n):
+        conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+        r = conn.getresponse()
+        data = r.read()
+        if r.status != 200 or (stream and not data.rstrip().endswith(b"[DONE]")):
+            raise RuntimeError(f"bad answer {r.status}: {data[:200]!r}")
+    conn.close()
+
+
+def measure(ref: str, args: argparse.Namespace, tmp: Path, backend: str, redis_url: str | None) -> float:
+    port = free_port()
+    cfg = tmp / f"{ref.replace('/', '_')}.yaml"
+    text = (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n"
+            f'  - {{name: b0, url: "{backend}", models: [bench-model]}}\n'
+            f"routing: {{policy: {args.policy}}}\n")
+    if redis_url:
+        text += f'redis: {{url: "{redis_url}"}}\n'
+    cfg.write_text(text)
+    out = tmp / f"callgrind.{ref.replace('/', '_')}"
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p",
+           sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--port", str(port)]
+    proc = spawn(f"proxy-{ref.replace('/', '_')}", cmd, tmp, cwd=tree(ref, tmp / "trees"))
+    try:
+        wait_ready(proc, f"http://{HOST}:{port}/ready", timeout=600)
+        send(port, args.warmup, args.stream)
+        pid = str(proc.popen.pid)
+        subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
+        send(port, args.requests, args.stream)
+        subprocess.run(["callgrind_control", "-i", "off", pid], check=True, capture_output=True)
+        subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True)
+        deadline = time.monotonic() + 60
+        while True:
+            dumps = [p for p in tmp.glob(out.name + ".*") if p.stat().st_size]
+            totals = [int(m.group(1)) for p in dumps for m in [re.search(r"^totals: (\d+)",
+                                                                          p.read_text(), re.M)] if m]
+            if totals or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if not totals:
+            raise RuntimeError(f"no callgrind dump for {ref}: {proc.tail()}")
+        return max(totals) / args.requests
+    finally:
+        proc.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--refs", default=".", help="comma list of git commits ('.' = working tree)")
+    ap.add_argument("--policy", default="least_loaded")
+    ap.add_argument("--redis", action="store_true", help="shared state in a private redis-server")
+    ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--warmup", type=int, default=300)
+    args = ap.parse_args()
+    if not shutil.which("valgrind"):
+        sys.exit("valgrind is missing: apt-get install -y valgrind")
+    tmp = Path(tempfile.mkdtemp(prefix="instructions-"))
+    redis = PrivateRedis().start() if args.redis else None
+    port = free_port()
+    backend_proc = spawn("backend", [sys.executable, "-m", "loadtest.fast_backend", "--port", str(port)], tmp)
+    backend = f"http://{HOST}:{port}"
+    results = {}
+    try:
+        wait_ready(backend_proc, backend + "/health")
+        for ref in [r.strip() for r in args.refs.split(",") if r.strip()]:
+            results[ref] = measure(ref, args, tmp, backend, redis.url if redis else None)
+            print(f"{ref:12} {results[ref]:12,.0f} instructions/request", file=sys.stderr, flush=True)
+    finally:
+        backend_proc.stop()
+        if redis:
+            redis.stop()
+    base = next(iter(results.values()), None)
+    print(f"\ninstructions per request: policy {args.policy}, redis {'on' if args.redis else 'off'}, "
+          f"{'stream' if args.stream else 'plain'}, {args.requests} requests after {args.warmup} warm-up")
+    for ref, value in results.items():
+        print(f"| {ref:12} | {value:12,.0f} | {value / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

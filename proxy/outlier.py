@@ -17,8 +17,9 @@ from proxy.routing.clock import SYSTEM, Clock
 log = logging.getLogger("vllm_proxy.outlier")
 
 
-def available(backend: Backend, now: float) -> bool:
-    return backend.healthy and backend.ejected_until <= now
+def available(backends: Iterable[Backend], now: float) -> list[Backend]:
+    """The replicas in rotation: healthy and not ejected (also the routing filter `available`)."""
+    return [b for b in backends if b.healthy and b.ejected_until <= now]
 
 
 class Outliers:
@@ -41,7 +42,7 @@ class Outliers:
         if backend.ejected_until > now:
             return
         for group in self.peers(backend):
-            if not any(b is not backend and available(b, now) for b in group):
+            if not any(b is not backend for b in available(group, now)):
                 return  # the last replica of some deployment: keep it
         seconds = min(self.config.base_ejection_s * 2 ** backend.ejections, self.config.max_ejection_s)
         backend.ejections += 1

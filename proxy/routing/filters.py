@@ -16,8 +16,7 @@ class Available(Filter):
     name = "available"
 
     def apply(self, candidates: Sequence[Backend], lease: Lease) -> Sequence[Backend]:
-        now = lease.now
-        return [b for b in candidates if available(b, now)]
+        return available(candidates, lease.now)
 
 
 @register

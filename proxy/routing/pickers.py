@@ -1,7 +1,7 @@
 """Pickers: one candidate from the scorers' weighted sums."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,6 +38,20 @@ class MaxScore(Picker):
             j = i % n
             if totals[j] > top:
                 best, top = j, totals[j]
+        return best
+
+    def lowest(self, candidates: Sequence[Backend], key: Callable[[Backend], float]) -> int:
+        """`choose` for a scorer alone in its profile that gives its order as a key (lower is
+        better): the same pick, without summing scores."""
+        self._next += 1
+        n = len(candidates)
+        best = self._next % n
+        low = key(candidates[best])
+        for i in range(best + 1, best + n):
+            j = i % n
+            k = key(candidates[j])
+            if k < low:
+                best, low = j, k
         return best
 
 

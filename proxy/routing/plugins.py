@@ -9,7 +9,7 @@ A new plugin is one small class here or beside it, decorated with `@register`, w
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -67,6 +67,9 @@ class Scorer(Plugin):
 
     kind = "scorer"
     proposes: ClassVar[bool] = False  # a proposer names one replica (async `propose`) instead
+    # optional: a key giving the same order as the score (lower = better), so a profile with this
+    # scorer alone picks without summing (least_loaded: the in-flight count)
+    order: ClassVar[Callable[[Backend], float] | None] = None
 
     def score(self, backend: Backend, request: "ParsedRequest") -> float:
         raise NotImplementedError

@@ -56,6 +56,13 @@ class Scored:
         self.scorers = [(s, w) for s, w in scorers if not s.proposes and w > 0]
         if self.proposer is not None and hasattr(self.proposer.policy, "load"):
             self.load = self.proposer.policy.load  # in flight over all proxies (the LoRA manager's load)
+        lone = self.scorers[0][0] if len(self.scorers) == 1 and self.proposer is None else None
+        if lone is not None and lone.order is not None and hasattr(picker, "lowest"):
+            self.key = lone.order
+            self.pick = self._pick_lowest  # type: ignore[method-assign]
+
+    async def _pick_lowest(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
+        return candidates[self.picker.lowest(candidates, self.key)], self.picker.reason
 
     async def pick(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
         proposed = None

@@ -40,20 +40,47 @@ class Lease:
         self.request = request
         self.trusted_only = trusted_only
         self.tried = tried
-        self.now = 0.0  # the clock's monotonic reading for this scheduling pass
-        self.backend: Backend | None = None  # set (and counted) once picked
-        self.reason = ""
-        self.status: str | None = None  # the response status, for after_response hooks
+        # now: the clock's monotonic reading for this scheduling pass (set by the scheduler)
         self.held = False  # counted in flight on `backend` (until released; `backend` stays for the log)
+        self.status: str | None = None  # the response status (set by the data path), for after_response hooks
+        # backend, reason: set when picked
+
+    def acquire(self, backend: Backend, reason: str) -> None:
+        self.backend = backend
+        self.reason = reason
+        self.held = True
+        backend.in_flight += 1
+        adapter = self.route.adapter
+        if adapter is not None:
+            counts = backend.adapter_in_flight
+            counts[adapter] = counts.get(adapter, 0) + 1
+            backend.adapter_used[adapter] = self.scheduler.clock.monotonic()
 
     def __enter__(self) -> "Lease":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.scheduler.release(self)
+        """Release: out of the in-flight (and adapter) counts, hooks told, a waiting request woken."""
+        if not self.held:
+            return
+        self.held = False
+        backend = self.backend
+        backend.in_flight -= 1
+        scheduler = self.scheduler
+        adapter = self.route.adapter
+        if adapter is not None:
+            counts = backend.adapter_in_flight
+            counts[adapter] = counts.get(adapter, 1) - 1
+            backend.adapter_used[adapter] = scheduler.clock.monotonic()
+            for hook in scheduler.done_adapter:
+                hook.after_response(self)
+        else:
+            for hook in scheduler.done_all:
+                hook.after_response(self)
+        scheduler.admission.released()
 
     def __repr__(self) -> str:
-        return f"Lease({self.route.name!r}, {getattr(self.backend, 'name', None)!r}, {self.reason!r})"
+        return f"Lease({self.route.name!r}, {getattr(self.backend, 'name', None)!r}, {getattr(self, 'reason', '')!r})"
 
 
 def no_backend(route: Route) -> ProxyError:
@@ -79,8 +106,9 @@ class Scheduler:
         self._before_adapter = tuple(h for h in hooks if _overrides(h, "before_pick"))
         self._after_all = tuple(h for h in hooks if not h.adapter_only and _overrides(h, "after_pick"))
         self._after_adapter = tuple(h for h in hooks if _overrides(h, "after_pick"))
-        self._done_all = tuple(h for h in hooks if not h.adapter_only and _overrides(h, "after_response"))
-        self._done_adapter = tuple(h for h in hooks if _overrides(h, "after_response"))
+        self.done_all = tuple(h for h in hooks if not h.adapter_only and _overrides(h, "after_response"))
+        self.done_adapter = tuple(h for h in hooks if _overrides(h, "after_response"))
+        self._plain = not self._before_all and not self._after_all  # no hook before or after a plain pick
 
     async def schedule(self, route: Route, request: "ParsedRequest", trusted_only: bool = False,
                        tried: Sequence[Backend] | None = None) -> Lease:
@@ -98,9 +126,13 @@ class Scheduler:
             else:
                 break
             await self.admission.wait()
-        adapter = route.adapter is not None
-        before = self._before_adapter if adapter else self._before_all
-        after = self._after_adapter if adapter else self._after_all
+        if route.adapter is None and self._plain:
+            if not candidates:
+                raise no_backend(route)
+            backend, reason = await self.policy.pick(candidates, request, route)
+            lease.acquire(backend, reason)  # (no await between the pick and the count)
+            return lease
+        before, after = (self._before_adapter, self._after_adapter) if route.adapter else (self._before_all, self._after_all)
         for _ in range(_REPICKS):
             for hook in before:
                 candidates = await hook.before_pick(candidates, lease)
@@ -112,7 +144,7 @@ class Scheduler:
                 if not hook.after_pick(backend, lease):
                     break
             else:
-                self._acquire(lease, backend, reason)
+                lease.acquire(backend, reason)
                 return lease
             candidates = [b for b in candidates if b is not backend]
         raise ProxyError(
@@ -125,37 +157,8 @@ class Scheduler:
         """A lease on a replica chosen outside the profile (a Responses API continuation must go
         to the replica holding its conversation)."""
         lease = Lease(self, route, request)
-        self._acquire(lease, backend, reason)
+        lease.acquire(backend, reason)
         return lease
-
-    def _acquire(self, lease: Lease, backend: Backend, reason: str) -> None:
-        lease.backend = backend
-        lease.reason = reason
-        lease.held = True
-        backend.in_flight += 1
-        adapter = lease.route.adapter
-        if adapter is not None:
-            counts = backend.adapter_in_flight
-            counts[adapter] = counts.get(adapter, 0) + 1
-            backend.adapter_used[adapter] = self.clock.monotonic()
-
-    def release(self, lease: Lease) -> None:
-        if not lease.held:
-            return
-        lease.held = False
-        backend = lease.backend
-        backend.in_flight -= 1
-        adapter = lease.route.adapter
-        if adapter is not None:
-            counts = backend.adapter_in_flight
-            counts[adapter] = counts.get(adapter, 1) - 1
-            backend.adapter_used[adapter] = self.clock.monotonic()
-            for hook in self._done_adapter:
-                hook.after_response(lease)
-        else:
-            for hook in self._done_all:
-                hook.after_response(lease)
-        self.admission.released()
 
 
 def _overrides(hook: object, method: str) -> bool:

@@ -5,6 +5,7 @@ set to normalise) plus one line in a profile: `- {type: <name>, weight: 2}`. A s
 opinion is the same for every candidate adds nothing (the picker compares sums)."""
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +31,7 @@ class LeastLoaded(Scorer):
     """Fewer requests in flight from this proxy (exact and immediate, unlike scraped metrics)."""
 
     name = "least_loaded"
+    order = attrgetter("in_flight")
 
     def score(self, backend: Backend, request: ParsedRequest) -> float:
         return 1.0 / (1 + backend.in_flight)

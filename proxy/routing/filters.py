@@ -25,6 +25,7 @@ class TrustedMultimodal(Filter):
     (`trust_request_mm_kwargs`; proxy/multimodal.py decides which requests)."""
 
     name = "trusted_multimodal"
+    only_when = "trusted_only"
 
     def apply(self, candidates: Sequence[Backend], lease: Lease) -> Sequence[Backend]:
         if not lease.trusted_only:
@@ -37,6 +38,7 @@ class Untried(Filter):
     """A retry never goes back to a replica this request already failed on."""
 
     name = "untried"
+    only_when = "tried"
 
     def apply(self, candidates: Sequence[Backend], lease: Lease) -> Sequence[Backend]:
         tried = lease.tried

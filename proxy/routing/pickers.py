@@ -5,7 +5,9 @@ from typing import Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from proxy.parse import ParsedRequest
 from proxy.routing.backends import Backend
+from proxy.routing.catalog import Route
 from proxy.routing.plugins import Picker, register
 
 
@@ -40,9 +42,10 @@ class MaxScore(Picker):
                 best, top = j, totals[j]
         return best
 
-    def lowest(self, candidates: Sequence[Backend], key: Callable[[Backend], float]) -> int:
-        """`choose` for a scorer alone in its profile that gives its order as a key (lower is
-        better): the same pick, without summing scores."""
+    async def pick_lowest(self, key: Callable[[Backend], float], candidates: Sequence[Backend], request: ParsedRequest,
+                          route: Route) -> tuple[Backend, str]:
+        """The pick step for a scorer alone in its profile that gives its order as a key (lower is
+        better): what `choose` would pick, without summing scores."""
         self._next += 1
         n = len(candidates)
         best = self._next % n
@@ -52,7 +55,7 @@ class MaxScore(Picker):
             k = key(candidates[j])
             if k < low:
                 best, low = j, k
-        return best
+        return candidates[best], self.reason
 
 
 class RoundRobinParams(PickParams):

@@ -56,6 +56,9 @@ class Filter(Plugin):
 
     kind = "filter"
     waits: ClassVar[bool] = False  # emptying a non-empty set means "wait for a slot", not "none can"
+    # a filter that removes nothing unless this lease attribute is set (trusted_only, tried) is
+    # skipped when it is not: most requests then run only the filters that always apply
+    only_when: ClassVar[str | None] = None
 
     def apply(self, candidates: Sequence[Backend], lease: "Lease") -> Sequence[Backend]:
         raise NotImplementedError
@@ -85,8 +88,14 @@ class Picker(Plugin):
 
     kind = "picker"
 
+    reason = ""
+
     def choose(self, candidates: Sequence[Backend], totals: list[float] | None) -> int:
         raise NotImplementedError
+
+    async def pick(self, candidates: Sequence[Backend], request: "ParsedRequest", route: "Route") -> tuple[Backend, str]:
+        """The pick step of a profile without scorers: this picker alone."""
+        return candidates[self.choose(candidates, None)], self.reason
 
 
 class Hook(Plugin):

@@ -16,6 +16,7 @@ Scheduler runs. The built-in policies are profiles too, with the defaults they a
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 from proxy.config import PickerSpec, ProfileConfig, RoutingConfig, ScorerSpec
@@ -57,12 +58,8 @@ class Scored:
         if self.proposer is not None and hasattr(self.proposer.policy, "load"):
             self.load = self.proposer.policy.load  # in flight over all proxies (the LoRA manager's load)
         lone = self.scorers[0][0] if len(self.scorers) == 1 and self.proposer is None else None
-        if lone is not None and lone.order is not None and hasattr(picker, "lowest"):
-            self.key = lone.order
-            self.pick = self._pick_lowest  # type: ignore[method-assign]
-
-    async def _pick_lowest(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
-        return candidates[self.picker.lowest(candidates, self.key)], self.picker.reason
+        if lone is not None and lone.order is not None and hasattr(picker, "pick_lowest"):
+            self.pick = partial(picker.pick_lowest, lone.order)  # type: ignore[method-assign]
 
     async def pick(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
         proposed = None
@@ -82,9 +79,7 @@ class Unscored:
     def __init__(self, name: str, picker: Picker) -> None:
         self.name = name
         self.picker = picker
-
-    async def pick(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
-        return candidates[self.picker.choose(candidates, None)], self.picker.reason
+        self.pick = picker.pick
 
 
 class Profile:

@@ -101,6 +101,7 @@ class Scheduler:
         self.admission = admission
         self.clock = clock
         self.filters = tuple(profile.filters)
+        self._usual = tuple(f for f in self.filters if f.only_when is None)  # when neither trusted_only nor tried
         hooks = profile.hooks
         self._before_all = tuple(h for h in hooks if not h.adapter_only and _overrides(h, "before_pick"))
         self._before_adapter = tuple(h for h in hooks if _overrides(h, "before_pick"))
@@ -115,10 +116,11 @@ class Scheduler:
         """A lease on the replica for this request, counted in flight; or the 503/429 why none."""
         lease = Lease(self, route, request, trusted_only, tried)
         monotonic = self.clock.monotonic
+        filters = self.filters if trusted_only or tried else self._usual
         while True:
             lease.now = monotonic()
             candidates: Sequence[Backend] = route.backends
-            for f in self.filters:
+            for f in filters:
                 kept = f.apply(candidates, lease)
                 if not kept and candidates and f.waits:
                     break

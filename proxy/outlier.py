@@ -13,13 +13,10 @@ from typing import Callable, Iterable
 from proxy.config import OutlierConfig
 from proxy.routing.backends import Backend
 from proxy.routing.clock import SYSTEM, Clock
+from proxy.routing.filters import Available
+from proxy.routing.plugins import Env, NoParams
 
 log = logging.getLogger("vllm_proxy.outlier")
-
-
-def available(backends: Iterable[Backend], now: float) -> list[Backend]:
-    """The replicas in rotation: healthy and not ejected (also the routing filter `available`)."""
-    return [b for b in backends if b.healthy and b.ejected_until <= now]
 
 
 class Outliers:
@@ -27,6 +24,8 @@ class Outliers:
                  clock: Clock = SYSTEM) -> None:
         self.config = config
         self.clock = clock
+        # healthy and not ejected (the routing filter: one definition of "in rotation")
+        self.available = Available(NoParams(), Env(None, clock))
         self.peers = peers  # the replica sets (one per deployment) that `backend` belongs to
 
     def success(self, backend: Backend) -> None:
@@ -42,7 +41,7 @@ class Outliers:
         if backend.ejected_until > now:
             return
         for group in self.peers(backend):
-            if not any(b is not backend for b in available(group, now)):
+            if not any(b is not backend for b in self.available.apply(group)):
                 return  # the last replica of some deployment: keep it
         seconds = min(self.config.base_ejection_s * 2 ** backend.ejections, self.config.max_ejection_s)
         backend.ejections += 1

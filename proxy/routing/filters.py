@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import ClassVar, Sequence
 
-from proxy.outlier import available
 from proxy.routing.backends import Backend
 from proxy.routing.plugins import Filter, register
 from proxy.routing.scheduler import Lease
@@ -15,8 +14,16 @@ class Available(Filter):
 
     name = "available"
 
-    def apply(self, candidates: Sequence[Backend], lease: Lease) -> Sequence[Backend]:
-        return available(candidates, lease.now)
+    def __init__(self, params, env) -> None:
+        super().__init__(params, env)
+        self._monotonic = env.clock.monotonic
+
+    def apply(self, candidates: Sequence[Backend], lease: Lease | None = None) -> Sequence[Backend]:
+        now = self._monotonic()
+        for b in candidates:  # usually all are: then no new list
+            if not b.healthy or b.ejected_until > now:
+                return [b for b in candidates if b.healthy and b.ejected_until <= now]
+        return candidates
 
 
 @register
@@ -56,4 +63,7 @@ class FreeSlot(Filter):
     waits: ClassVar[bool] = True
 
     def apply(self, candidates: Sequence[Backend], lease: Lease) -> Sequence[Backend]:
-        return [b for b in candidates if b.in_flight < b.limit]
+        for b in candidates:  # usually all have room: then no new list
+            if b.in_flight >= b.limit:
+                return [b for b in candidates if b.in_flight < b.limit]
+        return candidates

@@ -47,15 +47,10 @@ class MaxScore(Picker):
         """The pick step for a scorer alone in its profile that gives its order as a key (lower is
         better): what `choose` would pick, without summing scores."""
         self._next += 1
-        n = len(candidates)
-        best = self._next % n
-        low = key(candidates[best])
-        for i in range(best + 1, best + n):
-            j = i % n
-            k = key(candidates[j])
-            if k < low:
-                best, low = j, k
-        return candidates[best], self.reason
+        start = self._next % len(candidates)
+        # the first lowest from the rotating start (min keeps the first of equals)
+        rotated = candidates[start:] + candidates[:start] if start else candidates
+        return min(rotated, key=key), self.reason
 
 
 class RoundRobinParams(PickParams):
@@ -77,3 +72,7 @@ class RoundRobin(Picker):
     def choose(self, candidates: Sequence[Backend], totals: list[float] | None) -> int:
         self._next += 1
         return self._next % len(candidates)
+
+    async def pick(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
+        self._next += 1  # (`choose`, inlined: this runs on every request of a round_robin profile)
+        return candidates[self._next % len(candidates)], self.reason

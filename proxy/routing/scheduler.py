@@ -31,7 +31,7 @@ _REPICKS = 4  # picks an after_pick hook may refuse before the request gets a 50
 class Lease:
     """One request's claim on one replica; also the request's context while it is scheduled."""
 
-    __slots__ = ("scheduler", "route", "request", "trusted_only", "tried", "now", "backend", "reason", "status", "held")
+    __slots__ = ("scheduler", "route", "request", "trusted_only", "tried", "backend", "reason", "status", "held")
 
     def __init__(self, scheduler: "Scheduler", route: Route, request: "ParsedRequest | None",
                  trusted_only: bool = False, tried: Sequence[Backend] | None = None) -> None:
@@ -40,7 +40,6 @@ class Lease:
         self.request = request
         self.trusted_only = trusted_only
         self.tried = tried
-        # now: the clock's monotonic reading for this scheduling pass (set by the scheduler)
         self.held = False  # counted in flight on `backend` (until released; `backend` stays for the log)
         self.status: str | None = None  # the response status (set by the data path), for after_response hooks
         # backend, reason: set when picked
@@ -115,10 +114,8 @@ class Scheduler:
                        tried: Sequence[Backend] | None = None) -> Lease:
         """A lease on the replica for this request, counted in flight; or the 503/429 why none."""
         lease = Lease(self, route, request, trusted_only, tried)
-        monotonic = self.clock.monotonic
         filters = self.filters if trusted_only or tried else self._usual
         while True:
-            lease.now = monotonic()
             candidates: Sequence[Backend] = route.backends
             for f in filters:
                 kept = f.apply(candidates, lease)

@@ -13,27 +13,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import sys
 import time
 
 import orjson
 
-from proxy.config import BackendConfig, RoutingConfig
-from proxy.parse import CHAT, parse_request
-from proxy.routing.backends import Backend
-from proxy.routing.catalog import Route
+sys.path.insert(0, os.getcwd())  # run as a file from another checkout: its loadtest and proxy
 
-MODEL = "bench-model"
+from loadtest.routing_decision import MODEL, fleet  # noqa: E402
+from proxy.config import RoutingConfig  # noqa: E402
+from proxy.parse import CHAT, parse_request  # noqa: E402
+from proxy.routing.catalog import Route  # noqa: E402
+
 BODY = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "system", "content": "You are a helpful assistant."},
                                                      {"role": "user", "content": "Say hello in one short sentence."}]}
-
-
-def fleet(n: int) -> list[Backend]:
-    out = [Backend(BackendConfig(name=f"r{i}", url=f"http://127.0.0.1:{10000 + i}", models=[MODEL])) for i in range(n)]
-    for i, b in enumerate(out):
-        b.healthy = True
-        b.in_flight = i % 3
-    return out
 
 
 def decide(policy: str):

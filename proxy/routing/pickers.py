@@ -17,17 +17,21 @@ class PickParams(BaseModel):
     reason: str = Field("scored", min_length=1, description="the route reason (metrics, explain header) of its picks")
 
 
-@register
-class MaxScore(Picker):
-    """The highest sum; ties rotate, so equal replicas share the work."""
-
-    name = "max_score"
-    Params = PickParams
+class Rotating(Picker):
+    """A picker with a rotating start (ties, turns) and a configured route reason."""
 
     def __init__(self, params, env) -> None:
         super().__init__(params, env)
         self.reason = params.reason
         self._next = 0
+
+
+@register
+class MaxScore(Rotating):
+    """The highest sum; ties rotate, so equal replicas share the work."""
+
+    name = "max_score"
+    Params = PickParams
 
     def choose(self, candidates: Sequence[Backend], totals: list[float] | None) -> int:
         self._next += 1
@@ -58,16 +62,11 @@ class RoundRobinParams(PickParams):
 
 
 @register
-class RoundRobin(Picker):
+class RoundRobin(Rotating):
     """Each candidate in turn, whatever the scores."""
 
     name = "round_robin"
     Params = RoundRobinParams
-
-    def __init__(self, params, env) -> None:
-        super().__init__(params, env)
-        self.reason = params.reason
-        self._next = 0
 
     def choose(self, candidates: Sequence[Backend], totals: list[float] | None) -> int:
         self._next += 1

@@ -169,11 +169,11 @@ def summarize(ph: Phase, served: list[str], mine: list[tuple[int, int]], bound: 
 
 # -- offline ---------------------------------------------------------------------------------------
 def offline(args: argparse.Namespace, seed: int) -> list[dict]:
-    import proxy.routing.affinity as affinity_module
     from loadtest.affinity_replay import SimulatedClock
     from proxy.config import AffinityConfig, BackendConfig
     from proxy.parse import CHAT, parse_request
     from proxy.routing.backends import Backend
+    from proxy.routing.affinity import PrefixAffinity
     from proxy.routing.catalog import Route
 
     phases = workloads(args, seed)
@@ -185,45 +185,40 @@ def offline(args: argparse.Namespace, seed: int) -> list[dict]:
         backend.healthy, backend.cache_tokens = True, tokens
         backends.append(backend)
     route = Route(name=model, model=model, adapter=None, backends=tuple(backends))
-    clock, real_time = SimulatedClock(), affinity_module.time
-    affinity_module.time = clock  # type: ignore[assignment]
+    clock = SimulatedClock()
     caches = Caches(model, args.block_size)
     results: list[tuple[Phase, Workload, list[int]]] = []
     mine: list[list[tuple[int, int]]] = []
     served: list[list[str]] = []
-    try:
-        policy = affinity_module.PrefixAffinity(AffinityConfig(**json.loads(args.knobs)))
-        in_flight: deque[Backend] = deque()
+    policy = PrefixAffinity(AffinityConfig(**json.loads(args.knobs)), timer=clock)
+    in_flight: deque[Backend] = deque()
 
-        async def route_all() -> None:
-            live: set[int] = set()
-            for ph, workload in phases:
-                for i in set(ph.replicas) - live:
-                    caches.reset(i, blocks_per_replica(args))  # joins cold
-                live = set(ph.replicas)
-                candidates = [backends[i] for i in sorted(live)]
-                while in_flight:
+    async def route_all() -> None:
+        live: set[int] = set()
+        for ph, workload in phases:
+            for i in set(ph.replicas) - live:
+                caches.reset(i, blocks_per_replica(args))  # joins cold
+            live = set(ph.replicas)
+            candidates = [backends[i] for i in sorted(live)]
+            while in_flight:
+                in_flight.popleft().in_flight -= 1
+            hits, names = [], []
+            for turn in workload.turns:
+                clock.now += 1.0 / args.rate
+                if len(in_flight) >= args.concurrency:
                     in_flight.popleft().in_flight -= 1
-                hits, names = [], []
-                for turn in workload.turns:
-                    clock.now += 1.0 / args.rate
-                    if len(in_flight) >= args.concurrency:
-                        in_flight.popleft().in_flight -= 1
-                    body = turn.body(workload.spec)
-                    backend, _ = await policy.pick(candidates, parse_request(CHAT, orjson.dumps(body)), route)
-                    if policy._repairing is not None and not policy._repairing.done():
-                        await policy._repairing
-                    backend.in_flight += 1
-                    in_flight.append(backend)
-                    names.append(backend.name)
-                    hits.append(await caches.feed(backends.index(backend), body))
-                results.append((ph, workload, list(range(len(workload.turns)))))
-                mine.append(hits)
-                served.append(names)
+                body = turn.body(workload.spec)
+                backend, _ = await policy.pick(candidates, parse_request(CHAT, orjson.dumps(body)), route)
+                await policy.maintain()  # the packing repair runs to completion where it starts
+                backend.in_flight += 1
+                in_flight.append(backend)
+                names.append(backend.name)
+                hits.append(await caches.feed(backends.index(backend), body))
+            results.append((ph, workload, list(range(len(workload.turns)))))
+            mine.append(hits)
+            served.append(names)
 
-        asyncio.run(route_all())
-    finally:
-        affinity_module.time = real_time  # type: ignore[assignment]
+    asyncio.run(route_all())
     bound = pooled(results, args)
     return [summarize(ph, served[k], mine[k], bound[k], []) for k, (ph, _, _) in enumerate(results)]
 

@@ -22,17 +22,17 @@ from collections import Counter, deque
 
 import orjson
 
-import proxy.routing.affinity as affinity_module
 from loadtest import affinity
 from loadtest.affinity_bound import pooled_hit_rate, token_hit_rate
 from proxy.config import AffinityConfig, BackendConfig
 from proxy.parse import CHAT, parse_request
+from proxy.routing.affinity import PrefixAffinity
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
 
 
 class SimulatedClock:
-    """Stands in for the `time` module the policy reads (time() and monotonic())."""
+    """Stands in for the `time` module the policy reads (time() and monotonic()): its `timer`."""
 
     def __init__(self) -> None:
         self.now = 1_000_000.0
@@ -53,30 +53,25 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
         backend.healthy, backend.cache_tokens = True, sizing["blocks_per_replica"] * args.block_size
         backends.append(backend)
     route = Route(name=workload.spec.model, model=workload.spec.model, adapter=None, backends=tuple(backends))
-    clock, real_time = SimulatedClock(), affinity_module.time
-    affinity_module.time = clock  # type: ignore[assignment]
-    try:
-        policy = affinity_module.PrefixAffinity(AffinityConfig(**knobs))
-        served: list[int] = []
-        in_flight: deque[Backend] = deque()
+    clock = SimulatedClock()
+    policy = PrefixAffinity(AffinityConfig(**knobs), timer=clock)
+    served: list[int] = []
+    in_flight: deque[Backend] = deque()
 
-        async def route_all() -> None:
-            start = clock.now
-            for i, turn in enumerate(workload.turns):
-                clock.now = start + i / rate
-                if len(in_flight) >= concurrency:
-                    in_flight.popleft().in_flight -= 1
-                request = parse_request(CHAT, orjson.dumps(turn.body(workload.spec)))
-                backend, _ = await policy.pick(backends, request, route)
-                if policy._repairing is not None and not policy._repairing.done():
-                    await policy._repairing
-                backend.in_flight += 1
-                in_flight.append(backend)
-                served.append(backends.index(backend))
+    async def route_all() -> None:
+        start = clock.now
+        for i, turn in enumerate(workload.turns):
+            clock.now = start + i / rate
+            if len(in_flight) >= concurrency:
+                in_flight.popleft().in_flight -= 1
+            request = parse_request(CHAT, orjson.dumps(turn.body(workload.spec)))
+            backend, _ = await policy.pick(backends, request, route)
+            await policy.maintain()  # the packing repair runs to completion where it starts
+            backend.in_flight += 1
+            in_flight.append(backend)
+            served.append(backends.index(backend))
 
-        asyncio.run(route_all())
-    finally:
-        affinity_module.time = real_time  # type: ignore[assignment]
+    asyncio.run(route_all())
     bodies = [t.body(workload.spec) for t in workload.turns]
     model, block = workload.spec.model, args.block_size
     bound = pooled_hit_rate(bodies, model=model, block_size=block, num_blocks=sizing["fleet_blocks"])["per_request"]

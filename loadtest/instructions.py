@@ -56,9 +56,12 @@ def measure(ref: str, args: argparse.Namespace, tmp: Path, backend: str, redis_u
     cfg = tmp / f"{ref.replace('/', '_')}.yaml"
     text = (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n"
             f'  - {{name: b0, url: "{backend}", models: [bench-model]}}\n'
-            f"routing: {{policy: {args.policy}}}\n")
+            f"routing: {{policy: {args.policy}}}\n"
+            # periodic work (polls, the Redis sync) costs per second, not per request: under
+            # callgrind's slow clock it would land in the window in proportion to the slowdown
+            "discovery: {interval_s: 3600}\n")
     if redis_url:
-        text += f'redis: {{url: "{redis_url}"}}\n'
+        text += f'redis: {{url: "{redis_url}", sync_interval_s: 3600}}\n'
     cfg.write_text(text)
     out = tmp / f"callgrind.{ref.replace('/', '_')}"
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p",

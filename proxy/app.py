@@ -1,4 +1,7 @@
-"""The ASGI application: a dispatch table over raw ASGI handlers, and the lifespan."""
+"""The ASGI application. The inference POSTs take a lean dispatch (one dict lookup to a raw ASGI
+handler); everything else is routed by Starlette from one declarative table (`ProxyApp.routes`):
+the small endpoints (proxy/endpoints.py), and 404 / 405 with `Allow` for every path, as OpenAI
+envelopes from one exception handler."""
 from __future__ import annotations
 
 import gc
@@ -6,8 +9,14 @@ import hmac
 import logging
 import os
 
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
 from proxy import audio, endpoints, inference, passthrough, responses
-from proxy.asgi import Receive, Scope, Send, bearer, send_error, send_json
+from proxy.asgi import Receive, Scope, Send, bearer, send_error
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
 from proxy.parse import CHAT, COMPLETIONS, EMBEDDINGS
@@ -26,7 +35,14 @@ GETS = {
     "/metrics": endpoints.metrics,
 }
 
-OPEN_PATHS = frozenset(("/health", "/ready"))
+OPEN_PATHS = frozenset(("/health", "/ready", "/admin/reload"))  # no client key (reload checks the admin key)
+
+
+def _inference(endpoint: str):
+    async def handle(rt, scope: Scope, receive: Receive, send: Send) -> None:
+        await inference.handle(rt, scope, receive, send, endpoint)
+
+    return handle
 
 
 def _passthrough(path: str):
@@ -46,6 +62,18 @@ POSTS = {
 }
 
 
+class _Raw:
+    """A raw handler as a Starlette endpoint (an ASGI app, so Starlette builds no Request)."""
+
+    __slots__ = ("handler",)
+
+    def __init__(self, handler) -> None:
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.handler(scope[endpoints.RUNTIME], scope, receive, send)
+
+
 class ProxyApp:
     """`ProxyApp(config)` is a complete ASGI app; `runtime` holds the live state. Given the
     config's `path`, it reloads the file when it changes, on SIGHUP, and on POST /admin/reload."""
@@ -55,30 +83,49 @@ class ProxyApp:
         self.watcher = None
         if path:
             self.watcher = ConfigWatcher(path, self.apply, self._count_reload, running=lambda: self.runtime.config)
+        self.router = Starlette(routes=self.routes(), exception_handlers={
+            ProxyError: endpoints.on_error, HTTPException: endpoints.on_error, Exception: endpoints.on_error,
+        })
+        self.router.router.redirect_slashes = False  # /health/ is a 404, as any unknown path
+
+    def routes(self) -> list[BaseRoute]:
+        """Every path the proxy serves. The forwarded POSTs (INFERENCE, POSTS) reach their handler
+        before Starlette (the lean dispatch in `_http`); they are declared here too, so that
+        other methods get 405, and the table is the whole API."""
+        forwarded = {**{path: _inference(endpoint) for path, endpoint in INFERENCE.items()}, **POSTS}
+        return [
+            *(Route(path, endpoint) for path, endpoint in GETS.items()),  # GET and HEAD
+            *(Route(prefix + "{model_id:path}", endpoints.get_model) for prefix in ("/v1/models/", "/models/")),
+            Route("/admin/reload", self._admin_reload, methods=["POST"]),
+            *(Route(path, _Raw(handler), methods=["POST"]) for path, handler in forwarded.items()),
+        ]
 
     async def apply(self, config: ProxyConfig) -> None:
         """Swap in a new config. Requests in flight finish on the Runtime they started with."""
         old = self.runtime
         new = Runtime(config, previous=old)
-        await new.start()
-        old.hand_over()
+        try:
+            await new.start()
+        except BaseException:
+            await new.stop()  # its background tasks end with it
+            raise
+        old.hand_over(new)
         self.runtime = new
         await old.stop()
 
     def _count_reload(self, result: str) -> None:
         self.runtime.metrics.reload_result(result)
 
-    async def _admin_reload(self, scope: Scope, send: Send) -> None:
+    async def _admin_reload(self, request: Request) -> Response:
         key_env = self.runtime.config.auth.admin_key_env
         expected = os.environ.get(key_env, "") if key_env else ""
-        presented = bearer(scope) or b""
+        presented = bearer(request.scope) or b""
         if self.watcher is None or not expected:
-            await send_error(send, ProxyError(404, "Reload is not enabled (set auth.admin_key_env).", code="unknown_url"))
-        elif not hmac.compare_digest(presented, expected.encode()):
-            await send_error(send, ProxyError(401, "Incorrect admin key.", code="invalid_api_key"))
-        else:
-            ok, message = await self.watcher.reload("admin endpoint")
-            await send_json(send, 200 if ok else 422, {"reloaded": ok, "message": message})
+            raise ProxyError(404, "Reload is not enabled (set auth.admin_key_env).", code="unknown_url")
+        if not hmac.compare_digest(presented, expected.encode()):
+            raise ProxyError(401, "Incorrect admin key.", code="invalid_api_key")
+        ok, message = await self.watcher.reload("admin endpoint")
+        return endpoints.json(200 if ok else 422, {"reloaded": ok, "message": message})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -94,9 +141,6 @@ class ProxyApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         rt = self.runtime
-        if path == "/admin/reload" and scope["method"] == "POST":
-            await self._admin_reload(scope, send)
-            return
         if rt.auth is not None and path not in OPEN_PATHS and (path != "/metrics" or rt.auth.protect_metrics):
             try:
                 scope["vllm_proxy.client"] = rt.auth.client(scope, path == "/metrics")
@@ -104,38 +148,21 @@ class ProxyApp:
                 await send_error(send, err)
                 inference.refused(rt, scope, INFERENCE.get(path) or (path if path in GETS else "other"), err.status)
                 return
-        endpoint = INFERENCE.get(path)
-        if endpoint is not None:
-            if scope["method"] == "POST":
+        if scope["method"] == "POST":
+            endpoint = INFERENCE.get(path)
+            if endpoint is not None:
                 await inference.handle(rt, scope, receive, send, endpoint)
-            else:
-                await endpoints.method_not_allowed(scope, send, b"POST")
-            return
-        post = POSTS.get(path)
-        if post is not None:
-            if scope["method"] == "POST":
+                return
+            post = POSTS.get(path)
+            if post is not None:
                 await post(rt, scope, receive, send)
-            else:
-                await endpoints.method_not_allowed(scope, send, b"POST")
-            return
+                return
         by_id = responses.by_id_route(path)
         if by_id is not None:
             await responses.by_id(rt, scope, receive, send, *by_id)
             return
-        handler = GETS.get(path)
-        if handler is None:
-            model_id = _model_id(path)
-            if model_id is None:
-                await endpoints.not_found(scope, send)
-            elif scope["method"] in ("GET", "HEAD"):
-                await endpoints.get_model(rt, scope, receive, send, model_id)
-            else:
-                await endpoints.method_not_allowed(scope, send, b"GET")
-            return
-        if scope["method"] not in ("GET", "HEAD"):
-            await endpoints.method_not_allowed(scope, send, b"GET")
-            return
-        await handler(rt, scope, receive, send)
+        scope[endpoints.RUNTIME] = rt
+        await self.router(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -144,7 +171,7 @@ class ProxyApp:
                 try:
                     await self.runtime.start()
                     if self.watcher is not None:
-                        self.watcher.start()
+                        self.watcher.start(self.runtime.supervisor)
                 except Exception as exc:
                     log.exception("startup failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
@@ -167,10 +194,3 @@ def _settle_heap() -> None:
     gc.collect()
     gc.freeze()
 
-
-def _model_id(path: str) -> str | None:
-    """`/v1/models/{id}` (ids may contain slashes, e.g. meta-llama/Llama-3.1-8B-Instruct)."""
-    for prefix in ("/v1/models/", "/models/"):
-        if path.startswith(prefix) and len(path) > len(prefix):
-            return path[len(prefix):]
-    return None

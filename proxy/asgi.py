@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
-import orjson
-
 from proxy.errors import ProxyError
 
 Scope = dict[str, Any]
@@ -25,10 +23,6 @@ async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes, 
         "headers": [(b"content-type", content_type), (b"content-length", b"%d" % len(body)), *headers],
     })
     await send({"type": "http.response.body", "body": body})
-
-
-async def send_json(send: Send, status: int, data: Any, headers: Headers = ()) -> None:
-    await send_bytes(send, status, orjson.dumps(data), b"application/json", headers)
 
 
 async def send_error(send: Send, error: ProxyError, headers: Headers = ()) -> None:

@@ -23,6 +23,7 @@ def uvicorn_options(config: ProxyConfig) -> dict:
         "loop": "uvloop",
         "http": ProxyProtocol.configured(config.server),
         "lifespan": "on",
+        "ws": "none",  # no WebSocket endpoints: an upgrade request is answered as plain HTTP
         "access_log": False,
         "server_header": False,
         "proxy_headers": False,  # X-Forwarded-* rewriting costs per request and we log no client IPs

@@ -62,6 +62,7 @@ class ServerConfig(Strict):
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
     header_timeout_s: float = Field(30.0, gt=0, description="a request head must arrive within this; an idle new connection is closed then")
     body_timeout_s: float = Field(30.0, gt=0, description="longest stall while reading a request body")
+    send_timeout_s: float = Field(60.0, gt=0, description="longest a client may leave the answer unread before the connection is dropped")
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line and headers beyond this: 431")
     max_headers: int = Field(100, ge=1, description="more request header fields than this: 431")
     max_response_bytes: int = Field(64 * 1024 * 1024, gt=0, description="largest non-streaming upstream body buffered; beyond: 502")
@@ -265,6 +266,13 @@ class AffinityConfig(Strict):
         1.0, ge=0, description="standard deviations of a replica's smoothed count (sqrt of the mean) it may exceed "
         "the (1+eps) x mean bound by: the count's own noise is no reason to spill"
     )
+    balance_window_requests: float = Field(
+        200.0, ge=0, description="balance guard (proxy/routing/affinity/balance.py): over the last this many requests "
+        "per replica (over all proxies), no replica takes more than (1 + balance_epsilon) x mean + 10 of them, whatever "
+        "the cache says; 0 turns the guard off (more prefix hits at a fresh start, ~1.2-1.7x the mean load on one "
+        "replica for a while after the workload changes)"
+    )
+    balance_epsilon: float = Field(0.03, ge=0, le=10, description="headroom of the balance guard over the mean")
     continuation_slack: float = Field(
         0.1, ge=0, description="extra relative headroom a conversation's continuation gets on the replica holding it"
     )

@@ -13,8 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
+
+from proxy.server import refuse_unsupported
 
 log = logging.getLogger("vllm_proxy")
 
@@ -23,6 +27,14 @@ _CUT_GRACE_S = 5.0  # after the deadline: time for cut requests to send their er
 
 
 class DrainingServer(uvicorn.Server):
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            refuse_unsupported(self.config)
+        except ValueError as exc:
+            log.error("%s", exc)
+            sys.exit(STARTUP_FAILURE)
+        await super().startup(sockets)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         state = self.server_state
         state.draining = True  # type: ignore[attr-defined]  # ProxyProtocol: responses close connections

@@ -14,8 +14,9 @@ import asyncio
 from bisect import bisect_left
 from time import perf_counter
 
-import aiohttp
+import httpx
 
+from proxy import control
 from proxy.asgi import Headers, Send
 from proxy.config import ServerConfig, Timeouts
 from proxy.errors import ProxyError, normalise_upstream_error
@@ -105,32 +106,24 @@ class Progress:
 
 class Upstream:
     """The process-wide upstream clients: the lean HTTP/1.1 pool (proxy/http1.py) for the data
-    path, and one aiohttp session for the control plane (discovery, scraping, LoRA admin)."""
+    path, and one httpx client for the control plane (discovery, scraping, probes, LoRA admin;
+    proxy/control.py)."""
 
     def __init__(self, server: ServerConfig) -> None:
         self.server = server
-        t = server.timeouts
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.first_byte)
         self.pool = Pool(server.upstream_keep_alive_s, server.max_response_bytes)
         self.tracks: dict[Backend, Track] = {}  # per replica, across config reloads (proxy/watchdog.py)
         self.keepalive = server.sse_keepalive_s
-        self.session: aiohttp.ClientSession | None = None
+        self.session: httpx.AsyncClient | None = None
 
     async def open(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=self.server.upstream_keep_alive_s, ttl_dns_cache=60
-        )
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-            timeout=self.timeout,
-        )
+        t = self.server.timeouts
+        self.session = control.client(self.server.upstream_keep_alive_s, t.connect, t.first_byte)
 
     async def close(self) -> None:
         self.pool.close()
         if self.session is not None:
-            await self.session.close()
+            await self.session.aclose()
             self.session = None
 
     async def exchange(

@@ -5,14 +5,21 @@ import asyncio
 import logging
 from typing import Callable
 
-import aiohttp
+import httpx
 import orjson
 
 from proxy.config import DiscoveryConfig
 from proxy.routing.backends import Backend
-from proxy.tasks import Background
+from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.health")
+
+
+# A replica listing more models and adapters than this is broken or hostile: every entry becomes a
+# route the proxy serves and rebuilds on each change (400 000 of them stalled the event loop for
+# seconds per poll). vLLM lists its base model and its loaded LoRA adapters.
+MAX_MODELS = 4096
+MAX_ID_CHARS = 1024
 
 
 def read_models(payload: bytes) -> tuple[frozenset[str], dict[str, str | None]]:
@@ -21,10 +28,12 @@ def read_models(payload: bytes) -> tuple[frozenset[str], dict[str, str | None]]:
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError("no `data` list")
+    if len(entries) > MAX_MODELS:
+        raise ValueError(f"lists {len(entries)} models, more than {MAX_MODELS}")
     models: set[str] = set()
     adapters: dict[str, str | None] = {}
     for entry in entries:
-        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str) and len(entry["id"]) <= MAX_ID_CHARS:
             parent = entry.get("parent")
             if isinstance(parent, str) and parent:
                 adapters[entry["id"]] = parent
@@ -39,7 +48,7 @@ class Discovery:
 
     def __init__(
         self,
-        session: Callable[[], aiohttp.ClientSession],
+        session: Callable[[], httpx.AsyncClient],
         backends: list[Backend],
         config: DiscoveryConfig,
         on_change: Callable[[], None],
@@ -50,7 +59,6 @@ class Discovery:
         self.config = config
         self.on_change = on_change
         self.on_health = on_health
-        self._loop = Background()
 
     async def poll_all(self) -> None:
         changed = any(await asyncio.gather(*(self.poll(b) for b in self.backends)))
@@ -83,9 +91,6 @@ class Discovery:
             backend.adapters, changed = adapters, True
         return changed
 
-    def start(self) -> None:
+    def start(self, tasks: Supervisor) -> None:
         """Poll every interval; the first round ran already in `Runtime.start`."""
-        self._loop.every(self.config.interval_s, self.poll_all, "discovery round", log, wait_first=True)
-
-    async def stop(self) -> None:
-        await self._loop.stop()
+        tasks.every(self.config.interval_s, self.poll_all, "discovery round", log, wait_first=True)

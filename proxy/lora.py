@@ -29,15 +29,16 @@ from collections import Counter as Tally
 from hashlib import blake2b
 from typing import Callable, Sequence
 
-import aiohttp
+import httpx
 import orjson
 
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
 from proxy.routing.affinity import rendezvous_weight
-from proxy.routing.backends import Backend
+from proxy.routing.backends import Backend, read_capped
 from proxy.routing.catalog import Route
 from proxy.routing.clock import SYSTEM, Clock
+from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.lora")
 
@@ -86,7 +87,7 @@ class LoraManager:
         self,
         config: ProxyConfig,
         backends: list[Backend],
-        session: Callable[[], aiohttp.ClientSession],
+        session: Callable[[], httpx.AsyncClient],
         rebuild: Callable[[], None],
         ops=None,
         load: Callable[[Backend], int] | None = None,
@@ -108,8 +109,7 @@ class LoraManager:
         self._backoff: dict[tuple[str, str], tuple[float, int, str]] = {}  # -> (until, failures, cause)
         self._freed = asyncio.Event()
         self._waiters = 0
-        self._tasks: set[asyncio.Task] = set()
-        self._ticker: asyncio.Task | None = None
+        self._tasks = Supervisor("lora")  # a child of the Runtime's, from start()
         self.ops = ops  # the vllm_proxy_lora_operations counter (proxy/metrics.py), if any
 
     # --- hot path (the `lora` hook of the routing pipeline, proxy/routing/lora_hook.py) ----------
@@ -297,15 +297,16 @@ class LoraManager:
             self._rebuild()
 
     async def _post(self, b: Backend, path: str, payload: dict, timeout: float) -> tuple[int, bytes]:
+        async def exchange() -> tuple[int, bytes]:
+            async with self._session().stream("POST", b.url + path, content=orjson.dumps(payload), headers=b.headers,
+                                              timeout=timeout) as resp:
+                return resp.status_code, await read_capped(resp)
+
         try:
-            async with self._session().post(
-                b.url + path, data=orjson.dumps(payload), headers=b.headers,
-                timeout=aiohttp.ClientTimeout(total=timeout),
-            ) as resp:
-                return resp.status, await resp.read()
-        except asyncio.TimeoutError:
+            return await asyncio.wait_for(exchange(), timeout)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
             return 0, f"timed out after {timeout:.1f}s".encode()
-        except aiohttp.ClientError as exc:
+        except (httpx.HTTPError, ValueError) as exc:
             return 0, (str(exc) or type(exc).__name__).encode()
 
     async def _wait_freed(self, timeout: float) -> None:
@@ -382,29 +383,17 @@ class LoraManager:
     # --- lifecycle ---------------------------------------------------------------------------
 
     def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-        return task
-
-    def _done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), ProxyError):
-            log.error("LoRA task failed", exc_info=task.exception())
+        """A load, unload or drain; a ProxyError is its outcome (logged and backed off in _load)."""
+        return self._tasks.spawn(coro, "LoRA adapter operation", expected=(ProxyError,))
 
     def _count(self, adapter: str, b: Backend, op: str, reason: str, outcome: str) -> None:
         if self.ops is not None:
             self.ops.labels(adapter, b.name, op, reason, outcome).inc()
 
-    def start(self) -> None:
+    def start(self, tasks: Supervisor) -> None:
+        self._tasks = tasks.child("lora")
         if self.managed:
-            self._ticker = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        tasks = [*self._tasks, *([self._ticker] if self._ticker else [])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            self._tasks.spawn(self._run(), "LoRA rebalance")
 
     async def _run(self) -> None:
         while True:

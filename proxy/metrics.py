@@ -24,6 +24,8 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from proxy.tasks import Supervisor
+
 disable_created_metrics()  # the *_created series double the exposition for no operator value
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -386,15 +388,13 @@ class Metrics:
             multiprocess.MultiProcessCollector(self._exposition_registry)
         return generate_latest(self._exposition_registry)
 
-    def start(self) -> None:
+    def start(self, tasks: Supervisor) -> None:
         """In a worker of `serve --workers N`: flush every second, for the other workers' /metrics."""
         if self.multiprocess and self.enabled:
-            self._flusher = asyncio.get_running_loop().create_task(self._flush_every(1.0))
+            self._flusher = tasks.every(1.0, self._flush, "metrics flush", wait_first=True)
 
-    async def _flush_every(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            self.flush()
+    async def _flush(self) -> None:
+        self.flush()
 
     async def stop(self) -> None:
         if self._flusher is not None:

@@ -23,13 +23,16 @@ def boundary(content_type: bytes) -> bytes:
     kind, _, params = content_type.partition(b";")
     if kind.strip().lower() != b"multipart/form-data":
         raise MultipartError("Content-Type must be multipart/form-data.")
+    found = None
     for param in params.split(b";"):
         key, _, value = param.strip().partition(b"=")
-        if key.lower() == b"boundary" and value:
-            value = value.strip(b'"')
-            if 0 < len(value) <= 200:
-                return value
-    raise MultipartError("multipart/form-data without a valid boundary.")
+        if key.lower() == b"boundary":
+            if found is not None:  # vLLM's form parser takes the last one, we would take the first
+                raise MultipartError("multipart/form-data with more than one boundary.")
+            found = value.strip(b'"')
+    if found is None or not 0 < len(found) <= 200:
+        raise MultipartError("multipart/form-data without a valid boundary.")
+    return found
 
 
 def _disposition(headers: bytes) -> tuple[str, str | None]:
@@ -54,9 +57,13 @@ def fields(body: bytes, content_type: bytes, once: tuple[str, ...] = ()) -> dict
     """Every field of the form (the first of each name). A name in `once` given twice is an error:
     the replica's form parser keeps the last value, so routing by the first could misroute."""
     delimiter = b"--" + boundary(content_type)
-    pos = body.find(delimiter)
-    if pos < 0:
-        raise MultipartError("The multipart body does not contain its boundary.")
+    # The body begins with the boundary, after blank lines at most, as python-multipart (vLLM's
+    # form parser) insists: a preamble we skipped could hold the form vLLM reads.
+    pos = 0
+    while body[pos:pos + 1] in (b"\r", b"\n"):
+        pos += 1
+    if not body.startswith(delimiter, pos):
+        raise MultipartError("The multipart body does not begin with its boundary.")
     found: dict[str, Field] = {}
     while True:
         pos += len(delimiter)

@@ -87,7 +87,11 @@ def parse_request(endpoint: str, body: bytes) -> ParsedRequest:
     elif endpoint == COMPLETIONS:
         _require(data, "prompt", (str, list))
     else:
-        _require(data, "input", (str, list))
+        messages = data.get("messages")
+        if messages is not None:  # vLLM's chat-style embeddings: media URLs it would fetch, guarded as chat's
+            media = _check_messages(messages)
+        if messages is None or "input" in data:
+            _require(data, "input", (str, list))
     options = data.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("`stream_options` must be an object.", param="stream_options", code="invalid_type")

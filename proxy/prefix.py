@@ -11,19 +11,18 @@ hashing a 2 KB system prompt per request was half of the routing decision's cost
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from hashlib import blake2b
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
 _SYSTEM_ROLES = ("system", "developer")
 _MEDIA_SAMPLE = 4096  # bytes of a data: URL's head and tail that identify it (plus its length)
 _SYSTEM_CACHE_BYTES = 16 << 20  # system-part text whose hashes are kept, in bytes
+_SEEDS = 4096  # seeds (upstream model and adapter ids) whose leading hash is kept
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixKey:
+class PrefixKey(NamedTuple):  # a tuple: built once per request, cheaper than a frozen dataclass
     pin: int
     chain: tuple[int, ...]  # hash of blocks [0..i] for each full block i (capped)
     pin_blocks: int  # how many leading chain entries lie inside the pinned (system) part
@@ -71,18 +70,22 @@ def _content_text(content: Any) -> str:
 def render_chat(data: dict[str, Any]) -> tuple[bytes, int]:
     """The prompt as bytes, and where the leading system part ends (0 if there is none)."""
     pieces: list[str] = []
+    size = 0  # characters before the first message that is not a system one
     tools = data.get("tools")
     if tools:
         pieces.append(orjson.dumps(tools).decode())
+        size = len(pieces[0])
     system_end = -1
-    size = sum(len(p) for p in pieces)
     for message in data["messages"]:
         role = message.get("role")
-        piece = f"\x1e{role}\x1f{_content_text(message.get('content'))}"
-        if system_end < 0 and role not in _SYSTEM_ROLES:
-            system_end = size
+        content = message.get("content")
+        piece = f"\x1e{role}\x1f{content if content.__class__ is str else _content_text(content)}"
+        if system_end < 0:
+            if role in _SYSTEM_ROLES:
+                size += len(piece)
+            else:
+                system_end = size
         pieces.append(piece)
-        size += len(piece)
     if system_end < 0:
         system_end = size
     text = "".join(pieces)
@@ -129,6 +132,17 @@ class _SystemHashes:
 
 
 _system_hashes = _SystemHashes(_SYSTEM_CACHE_BYTES)
+_seeds: dict[str, tuple[bytes, bytes]] = {}  # seed -> (its encoding, the hash that starts its chains)
+
+
+def _seeded(seed: str) -> tuple[bytes, bytes]:
+    found = _seeds.get(seed)
+    if found is None:
+        if len(_seeds) >= _SEEDS:
+            _seeds.clear()
+        head = seed.encode() + b"\x00"
+        found = _seeds[seed] = (head, _h(head).to_bytes(8, "little"))
+    return found
 
 
 def prefix_key(endpoint_is_chat: bool, data: dict[str, Any], seed: str, block: int, max_blocks: int) -> PrefixKey:
@@ -137,12 +151,14 @@ def prefix_key(endpoint_is_chat: bool, data: dict[str, Any], seed: str, block: i
     else:
         text, system_end = render_prompt(data.get("prompt")), 0
     blocks = min(len(text) // block, max_blocks)
-    pin_part = text[:system_end] if system_end > 0 else text[:block]
-    cache_key = (seed, block, pin_part) if system_end > 0 else None
-    known = _system_hashes.get(cache_key) if cache_key is not None else None
+    if system_end > 0:
+        pin_part = text[:system_end]
+        cache_key: tuple[str, int, bytes] | None = (seed, block, pin_part)
+        known = _system_hashes.get(cache_key)
+    else:
+        pin_part, cache_key, known = text[:block], None, None
     if known is None:
-        head = seed.encode() + b"\x00"
-        first = _h(head).to_bytes(8, "little")
+        head, first = _seeded(seed)
         known = _chain(_h(head + pin_part), (), first, pin_part, min(len(pin_part) // block, max_blocks), block)
         if cache_key is not None:
             _system_hashes.put(cache_key, known)
@@ -156,6 +172,8 @@ def prefix_key(endpoint_is_chat: bool, data: dict[str, Any], seed: str, block: i
 
 def _chain(pin: int, chain: tuple[int, ...], previous: bytes, text: bytes, blocks: int, block: int):
     """Extend `chain` (hashes of text's first len(chain) blocks, the last one `previous`) to `blocks`."""
+    if blocks <= len(chain):
+        return pin, chain, previous
     out = list(chain)
     for start in range(len(chain) * block, blocks * block, block):
         value = _h(previous + text[start : start + block])

@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 from proxy.checks import startup_problems
 from proxy.config import ConfigError, ProxyConfig, load_config
 from proxy.logsetup import is_leader
-from proxy.tasks import Background
+from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.reload")
 
@@ -58,7 +58,7 @@ class ConfigWatcher:
         self.interval = interval_s
         self._seen = self._stamp()
         self._missing = False
-        self._loop = Background()
+        self._tasks = Supervisor("config watch")  # a child of the process's, from start()
         self._lock = asyncio.Lock()
         self._sighup = False
 
@@ -93,19 +93,21 @@ class ConfigWatcher:
             self.counted("success")
             return True, "reloaded"
 
-    def start(self) -> None:
+    def start(self, tasks: Supervisor | None = None) -> None:
+        if tasks is not None:
+            self._tasks = tasks.child("config watch")
         loop = asyncio.get_running_loop()
         try:
-            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload("SIGHUP")))
+            loop.add_signal_handler(signal.SIGHUP, lambda: self._tasks.spawn(self.reload("SIGHUP"), "SIGHUP reload"))
             self._sighup = True
         except (ValueError, RuntimeError, NotImplementedError):  # not the main thread (tests), or no SIGHUP
             pass
-        self._loop.start(self._watch())
+        self._tasks.spawn(self._watch(), "config file watch")
 
     async def stop(self) -> None:
         if self._sighup:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
-        await self._loop.stop()
+        await self._tasks.stop()
 
     async def _watch(self) -> None:
         while True:

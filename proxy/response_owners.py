@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import redis.asyncio as redis
 
-from proxy.tasks import Background
+from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.responses")
 
@@ -38,23 +38,23 @@ class ResponseOwners:
             )
         self._pending: list[tuple[str, str]] = []
         self._wake: asyncio.Event | None = None
-        self._writer = Background()
-        self._listener = Background()
+        self._tasks = Supervisor("response records")  # a child of the process's, from start()
         self.subscribed: asyncio.Event | None = None  # set once the subscriber listens (tests wait on it)
         # replicas asked at once about ids no record names (proxy/responses.py): a client sending
         # made-up ids cannot multiply itself into a flood of requests to every replica
         self.probe_slots = asyncio.Semaphore(8)
 
-    def start(self) -> None:
+    def start(self, tasks: Supervisor | None = None) -> None:
+        if tasks is not None:
+            self._tasks = tasks.child("response records")
         if self.client is not None:
             self._wake = asyncio.Event()
             self.subscribed = asyncio.Event()
-            self._writer.start(self._write_loop())
-            self._listener.start(self._listen_loop())
+            self._tasks.spawn(self._write_loop(), "response records: Redis writer")
+            self._tasks.spawn(self._listen_loop(), "response records: Redis listener")
 
     async def stop(self) -> None:
-        await self._writer.stop()
-        await self._listener.stop()
+        await self._tasks.stop()
         if self.client is not None:
             await self.client.aclose()
 

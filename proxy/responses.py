@@ -69,6 +69,13 @@ def _conversation(data: dict[str, Any]) -> tuple[list[dict], list[MediaPart] | N
             raise bad_request(f"`input[{i}]` must be an object.", param=f"input[{i}]", code="invalid_type")
         content = item.get("content")
         role = item.get("role") if isinstance(item.get("role"), str) else item.get("type", "item")
+        output = item.get("output")
+        if isinstance(output, list):  # function_call_output: vLLM makes it a tool message's content parts
+            for j, part in enumerate(output):
+                found = media_part(f"input[{i}].output[{j}]", part, RESPONSE_MEDIA)
+                if found is not None:
+                    media = media or []
+                    media.append(found)
         if isinstance(content, str) or content is None:
             messages.append({"role": role, "content": content or ""})
             continue

@@ -27,6 +27,7 @@ from proxy.routing.profiles import build as build_profile
 from proxy.routing.scheduler import Scheduler
 from proxy.scrape import BackendScraper
 from proxy.shared import SharedState
+from proxy.tasks import Supervisor
 from proxy.watchdog import Watchdog
 
 log = logging.getLogger("vllm_proxy.runtime")
@@ -40,6 +41,9 @@ class Runtime:
     def __init__(self, config: ProxyConfig, previous: "Runtime | None" = None, clock: Clock = SYSTEM) -> None:
         self.config = config
         self.clock = clock
+        # background tasks (proxy/tasks.py): the process's, and this config's (stopped with it)
+        self.supervisor = previous.supervisor if previous else Supervisor("process")
+        self.tasks = self.supervisor.child("runtime")
         self.metrics = previous.metrics if previous else Metrics(enabled=config.metrics.enabled)
         # observability (proxy/metrics.py, proxy/accesslog.py, proxy/scrape.py)
         self.access = AccessLog(config.logging) if config.logging.access_log else None
@@ -47,17 +51,13 @@ class Runtime:
         kept = {b.config.model_dump_json(): b for b in previous.backends} if previous else {}
         self.backends = [kept.get(b.model_dump_json()) or Backend(b) for b in config.backends]
         self.shared: SharedState | None = None
-        # routing state (a profile's learned placements, its shared Redis state) outlives a reload
-        # that leaves `routing` and `redis` as they were (proxy/routing/profiles.py)
-        keep = previous is not None and (previous.config.routing, previous.config.redis) == (config.routing, config.redis)
+        # the routing profile's learned state (placements, rates, rotations) outlives a reload that
+        # leaves `routing` as it was; with Redis the shared table holds it already, and a new
+        # profile reads it back (so only a Redis-less profile is handed over)
+        keep = (previous is not None and previous.config.routing == config.routing
+                and config.redis is None and previous.config.redis is None)
         self.routing_kept = keep
-        self.routing_given = False  # taken by the next Runtime (once it started): stopping this one leaves it
-        self._taken_from = previous if keep else None
-        if keep:
-            self.shared = previous.shared
-            if self.shared is not None:
-                self.shared.local_load = lambda: {b.name: b.in_flight for b in self.backends}
-        elif config.redis is not None:
+        if config.redis is not None:
             self.shared = SharedState(
                 config.redis.url,
                 ttl_s=config.routing.prefix_affinity.shared_ttl_s,
@@ -78,7 +78,7 @@ class Runtime:
         self.upstream = getattr(previous.upstream, "inner", previous.upstream) if previous else Upstream(config.server)
         if self.tracing is not None:
             self.upstream = self.tracing.upstream(self.upstream)
-        self.owner = previous is None  # opens and finally closes the process-wide parts
+        self.owner = previous is None  # opens the process-wide parts; the owner at the end closes them (hand_over)
         self.draining = previous.draining if previous else False  # SIGTERM received (proxy/drain.py)
         self.watchdog = Watchdog(  # hung replicas (proxy/watchdog.py)
             config.server.hung_replicas, self.upstream.tracks, lambda: self.upstream.session, self._health_changed
@@ -98,6 +98,7 @@ class Runtime:
         self.fleet = Fleet(
             self.backends, self.rebuild_catalog, self.discovery.poll, self._health_changed, self._retired,
             entry_window_s=config.discovery.interval_s, adopt=previous.fleet.known if previous else None,
+            tasks=self.tasks,
         )
         self.sources = [make_source(s, self.fleet) for s in config.backends_from]
         self.scraper = None
@@ -138,23 +139,23 @@ class Runtime:
     async def start(self) -> None:
         if self.owner:
             await self.upstream.open()
-            self.metrics.start()
-            self.response_owners.start()
+            self.metrics.start(self.supervisor)
+            self.response_owners.start(self.supervisor)
         for backend in self.backends:
             self._health_changed(backend)
+        tasks = self.tasks
         for source in self.sources:
-            await source.start()
+            await source.start(tasks)
         await self.discovery.poll_all()
-        self.discovery.start()
-        self.watchdog.start()
-        self.lora.start()
+        self.discovery.start(tasks)
+        self.watchdog.start(tasks)
+        self.lora.start(tasks)
         if self.scraper is not None:
-            self.scraper.start()
-        if self.shared is not None and not self.routing_kept:
-            self.shared.start()
-        if self._taken_from is not None:
-            self._taken_from.routing_given = True
-            self._taken_from = None
+            self.scraper.start(tasks)
+        if self.shared is not None:
+            self.shared.start(tasks)
+        if hasattr(self.policy, "serve"):  # the policy's background work (prefix_affinity's packing repair)
+            tasks.spawn(self.policy.serve(), "packing repair")
         log.info(
             "serving %d deployments over %d backends (%d healthy)",
             len(self.catalog), len(self.backends), sum(b.healthy for b in self.backends),
@@ -163,21 +164,18 @@ class Runtime:
     async def stop(self) -> None:
         for source in self.sources:
             await source.stop()
-        await self.fleet.stop()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)
-        await self.lora.stop()
-        await self.discovery.stop()
-        await self.watchdog.stop()
-        if self.scraper is not None:
-            await self.scraper.stop()
-        if self.shared is not None and not self.routing_given:
+        if self.shared is not None:
             await self.shared.stop()
+        await self.tasks.stop()  # discovery, scraping, probes, LoRA operations
         if self.owner:
             await self.upstream.close()
             await self.metrics.stop()
             await self.response_owners.stop()
+            await self.supervisor.stop()
 
-    def hand_over(self) -> None:
-        """The next Runtime owns the process-wide parts now; stopping this one leaves them open."""
-        self.owner = False
+    def hand_over(self, successor: "Runtime") -> None:
+        """`successor` owns the process-wide parts now (it closes them when it stops: the last
+        config's stop ends the process's tasks too); stopping this one leaves them open."""
+        self.owner, successor.owner = False, True

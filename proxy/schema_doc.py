@@ -12,7 +12,6 @@ import typing
 from pathlib import Path
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 from proxy.config import ProxyConfig
 
@@ -57,12 +56,9 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, 
 
 
 def _default(field) -> str:
-    if field.default is not PydanticUndefined:
-        value = field.default
-    elif field.default_factory is not None:
-        value = field.default_factory()
-    else:
+    if field.is_required():
         return "required"
+    value = field.default_factory() if field.default_factory is not None else field.default
     return _show(value).replace("|", "\\|")
 
 

@@ -26,12 +26,12 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-import aiohttp
+import httpx
 
 from proxy.config import DiscoveryConfig
 from proxy.metrics import Metrics
 from proxy.routing.backends import Backend
-from proxy.tasks import Background
+from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.scrape")
 
@@ -132,7 +132,7 @@ class BackendScraper:
     """Polls every backend's /metrics every `interval_s` and sets the backend-state gauges."""
 
     def __init__(
-        self, session: Callable[[], aiohttp.ClientSession], backends: list[Backend], config: DiscoveryConfig,
+        self, session: Callable[[], httpx.AsyncClient], backends: list[Backend], config: DiscoveryConfig,
         metrics: Metrics,
     ) -> None:
         self._session = session
@@ -140,7 +140,6 @@ class BackendScraper:
         self.config = config
         self.metrics = metrics
         self._previous: dict[str, _Previous] = {}
-        self._loop = Background()
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(b) for b in self.backends))
@@ -175,8 +174,5 @@ class BackendScraper:
             except KeyError:
                 pass
 
-    def start(self) -> None:
-        self._loop.every(self.config.interval_s, self.scrape_all, "backend scrape round", log)
-
-    async def stop(self) -> None:
-        await self._loop.stop()
+    def start(self, tasks: Supervisor) -> None:
+        tasks.every(self.config.interval_s, self.scrape_all, "backend scrape round", log)

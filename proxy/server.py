@@ -19,8 +19,11 @@ concatenated piece by piece) before the app ever sees it. As nginx and Envoy do,
 head must be complete within `header_timeout_s` of its first byte (of the connection, for the
 first request: an idle connection is closed then), a body may not stall for `body_timeout_s`,
 and a head larger than `max_header_bytes` or with more than `max_headers` fields is a 431; the
-client gets an OpenAI error envelope and the connection is closed. One watchdog timer per
-connection checks these a few times per timeout; a request pays a few attribute writes.
+client gets an OpenAI error envelope and the connection is closed. As nginx's `send_timeout`, a
+client that reads nothing of its answer for `send_timeout_s` is dropped: else it holds the
+answer's bytes (up to `max_response_bytes`) and a stream's upstream request for good. One
+watchdog timer per connection checks these a few times per timeout; a request pays a few
+attribute writes.
 """
 from __future__ import annotations
 
@@ -46,8 +49,32 @@ _DISCONNECT_MESSAGE = {"type": "http.disconnect"}
 _feed = HttpToolsProtocol.data_received  # called directly: super() costs per read
 
 
+# uvicorn options the lean cycle cannot honour (it bypasses the code that applies them), with
+# their defaults: refused rather than silently ignored (`refuse_unsupported`)
+UNSUPPORTED_OPTIONS = {"limit_concurrency": None, "root_path": "", "reset_contextvars": False}
+
+
+def refuse_unsupported(config: Any) -> None:
+    """Raise ValueError naming every UNSUPPORTED_OPTIONS entry `config` (a uvicorn.Config) sets."""
+    found = [f"{name}={getattr(config, name)!r}" for name, default in UNSUPPORTED_OPTIONS.items()
+             if getattr(config, name, default) != default]
+    if found:
+        raise ValueError(
+            f"uvicorn option(s) {', '.join(found)} not supported with vllm-proxy's HTTP protocol "
+            "(proxy/server.py): its inference cycle bypasses them. Leave them unset (concurrency: "
+            "server.max_queue and backends[].max_in_flight)."
+        )
+
+
 _HEAD, _BODY, _REST, _LINGER = range(4)  # reading a head, a body; neither (app or keep-alive); refused
 _LINGER_S = 2.0  # after a refusal, read and discard this long so the client sees the answer, not a reset
+# Requests parsed ahead of the one being answered. uvicorn queues every request a read holds (a
+# 256 KiB read of `GET /health` is 10 000 of them, ~17 MB) and reads on after each answer, so one
+# connection could grow without bound. nginx and Envoy parse the next request only when the
+# current one is answered; we answer what is queued and close (RFC 9112 9.3.2: the client retries
+# the rest).
+MAX_PIPELINED = 64
+_PIPELINE_FULL = (0, "", "")
 
 
 class _Refused(Exception):
@@ -59,6 +86,7 @@ class ProxyProtocol(HttpToolsProtocol):
     # defaults as in ServerConfig; `configured()` makes a subclass with a config's values
     header_timeout_s = 30.0
     body_timeout_s = 30.0
+    send_timeout_s = 60.0
     max_header_bytes = 64 * 1024
     max_headers = 100
     # Beyond this many open connections (default: 3/4 of the fd limit), connections that hold a
@@ -67,7 +95,7 @@ class ProxyProtocol(HttpToolsProtocol):
     shed_above: int | None = None
     _last_shed = 0.0
 
-    _LIMITS = ("header_timeout_s", "body_timeout_s", "max_header_bytes", "max_headers")
+    _LIMITS = ("header_timeout_s", "body_timeout_s", "max_header_bytes", "max_headers", "send_timeout_s")
 
     @classmethod
     def configured(cls, server: Any) -> "functools.partial[ProxyProtocol]":
@@ -77,6 +105,8 @@ class ProxyProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, limits: tuple | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.limit_concurrency is not None or self.root_path or self.config.reset_contextvars:
+            refuse_unsupported(self.config)  # under a server other than DrainingServer (which refuses at startup)
         if limits is not None:
             for name, value in zip(self._LIMITS, limits):
                 setattr(self, name, value)
@@ -87,6 +117,8 @@ class ProxyProtocol(HttpToolsProtocol):
         self._since = self.loop.time()  # when the head began, or the body last made progress (0: not yet)
         self._head_bytes = 0  # received since the current head began (>= its size, bounded by one read)
         self._refusal: tuple[int, str, str] | None = None
+        self._unsent = 0  # the write buffer's size at the last tick, while the client left it unread
+        self._unsent_since = 0.0  # since when (0: the client is reading, or nothing is pending)
         self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
         if len(self.connections) > self._shed_threshold():
             self._shed()
@@ -125,7 +157,12 @@ class ProxyProtocol(HttpToolsProtocol):
         return min(self.header_timeout_s, self.body_timeout_s) / 4
 
     def _watchdog(self) -> None:
+        if self._send_stalled():
+            self.transport.abort()  # its unsent bytes are dropped
+            return
         if self.transport.is_closing():
+            if self._unsent:  # a close waits for the client to read the rest: bounded by the send timeout
+                self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
             return
         phase = self._phase
         waited = self.loop.time() - self._since
@@ -139,6 +176,24 @@ class ProxyProtocol(HttpToolsProtocol):
             self._refuse(408, "The request body stalled.", "request_timeout")
             return
         self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
+
+    def _send_stalled(self) -> bool:
+        """Whether bytes for the client have waited `send_timeout_s` with no sign it reads them
+        (the buffer shrinking between two ticks, or flow control resuming writes)."""
+        unsent = self.transport.get_write_buffer_size()
+        if not unsent:
+            self._unsent = 0
+            self._unsent_since = 0.0
+            return False
+        now = self.loop.time()
+        if not self._unsent_since or unsent < self._unsent:
+            self._unsent_since = now
+        self._unsent = unsent
+        return now - self._unsent_since > self.send_timeout_s
+
+    def resume_writing(self) -> None:
+        self._unsent_since = 0.0  # the client read down to the low-water mark
+        super().resume_writing()
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         """Answer `status` with an error envelope and close (the request is not read further). A
@@ -169,7 +224,10 @@ class ProxyProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         refusal = self._refusal
-        if refusal is not None:
+        if refusal is _PIPELINE_FULL:
+            self._phase = _LINGER  # the rest of what the client sends is discarded
+            self.cycle.keep_alive = False  # type: ignore[union-attr] # the last queued answer closes the connection
+        elif refusal is not None:
             self._refuse(*refusal)
         else:
             self._refuse(400, msg, "invalid_http_request")
@@ -207,6 +265,16 @@ class ProxyProtocol(HttpToolsProtocol):
             self._refusal = (431, f"Request header fields exceed {self.max_header_bytes} bytes.", "headers_too_large")
             raise _Refused
 
+    def _refuse_upgrade(self) -> None:
+        """We serve no other protocol (WebSocket, h2c), so an upgrade request is answered as plain
+        HTTP, as nginx does; but httptools hands what follows its head to the new protocol, so a
+        body would be lost (the request answered as if empty): such a request is a 400 instead."""
+        for name, value in self.headers:
+            if (name == b"content-length" and value.strip(b" \t0")) or name == b"transfer-encoding":
+                self._refusal = (400, "Upgrade is not supported: send the request without the Upgrade header "
+                                      "(for HTTP/2 without TLS, use prior knowledge).", "upgrade_not_supported")
+                raise _Refused
+
     def connection_lost(self, exc: Exception | None) -> None:
         watch = getattr(self, "_watch", None)
         if watch is not None:
@@ -234,7 +302,15 @@ class ProxyProtocol(HttpToolsProtocol):
         ):
             self._start_lean()
         else:
+            if len(self.pipeline) >= MAX_PIPELINED:
+                self._refusal = _PIPELINE_FULL
+                raise _Refused
+            upgrade = self.parser.should_upgrade()
+            if upgrade:
+                self._refuse_upgrade()
             super().on_headers_complete()
+            if upgrade and self.cycle is not None:
+                self.cycle.keep_alive = False  # the parser stops at an upgrade: nothing after it is read
         if getattr(self.server_state, "draining", False) and self.cycle is not None:
             self.cycle.keep_alive = False  # draining (proxy/drain.py): clients reconnect elsewhere
 

@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 import orjson
 import redis.asyncio as redis
 
-from proxy.tasks import Background
+from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.shared")
 
@@ -214,7 +214,7 @@ class SharedState:
         self._last_sent = (0, 0)  # id of the stream's last entry when this proxy's last flush ran
         self._reading = asyncio.Event()  # set while the cursor is valid (after a resync)
         self.adopted = 0  # placements changed by another proxy's entry or a lost race
-        self._loops = (Background(), Background(), Background())
+        self._tasks = Supervisor("shared")  # a child of the Runtime's, from start()
         # the loops also end on this flag: on Python < 3.12 wait_for can swallow a cancellation
         self._closing = False
 
@@ -321,21 +321,22 @@ class SharedState:
             except (ValueError, KeyError, TypeError, AttributeError):
                 stale.append(proxy)
         if stale:
-            asyncio.get_running_loop().create_task(self._drop(stale, TENANTS_KEY))
+            self._tasks.spawn(self._drop(stale, TENANTS_KEY), "drop stale tenant counts")
         return rates, total
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> None:
-        run, flush, read = self._loops
-        run.start(self._run())
-        flush.start(self._flusher())
-        read.start(self._reader())
+    def start(self, tasks: Supervisor | None = None) -> None:
+        if tasks is not None:
+            self._tasks = tasks.child("shared")
+        spawn = self._tasks.spawn
+        spawn(self._run(), "Redis sync")
+        spawn(self._flusher(), "Redis flush")
+        spawn(self._reader(), "Redis stream reader")
 
     async def stop(self) -> None:
         self._closing = True
         self._wake.set()
-        for loop in self._loops:
-            await loop.stop()
+        await self._tasks.stop()
         try:  # last writes and our entries out of the load view, side by side and bounded
             last = [self.client.hdel(LOAD_KEY, *[f"{self.proxy_id}|{b}" for b in self.local_load()] or ["-"]),
                     self.client.hdel(TENANTS_KEY, self.proxy_id)]
@@ -576,7 +577,7 @@ class SharedState:
         self.pins.update(pins)
         self.pins_changed += 1
         if expired:
-            asyncio.get_running_loop().create_task(self._drop(expired, PINS_KEY))
+            self._tasks.spawn(self._drop(expired, PINS_KEY), "drop expired pins")
 
     def _others(self, table: dict[str, str], now: float) -> tuple[dict[str, int], dict[str, float]]:
         totals: dict[str, int] = {}
@@ -600,7 +601,7 @@ class SharedState:
                 totals[backend] = totals.get(backend, 0) + n
                 rates[backend] = rates.get(backend, 0.0) + r * math.exp(-max(age, 0.0) / tau)
         if stale:
-            asyncio.get_running_loop().create_task(self._drop(stale))
+            self._tasks.spawn(self._drop(stale), "drop stale load entries")
         return totals, rates
 
     async def _drop(self, fields: list[str], key: str = LOAD_KEY) -> None:

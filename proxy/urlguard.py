@@ -24,6 +24,9 @@ INTERNAL_SUFFIXES = (".localhost", ".internal", ".local", ".localdomain", ".home
                      ".intranet", ".private", ".corp", ".home", ".lan")
 INTERNAL_NAMES = frozenset(("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"))
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# Never global, whatever this Python's ipaddress tables say (3.11 calls them global): local-use
+# NAT64 (RFC 8215) and SIIT's IPv4-translated ::ffff:0:a.b.c.d (RFC 2765) reach IPv4 behind a translator.
+_TRANSLATED = (ipaddress.ip_network("64:ff9b:1::/48"), ipaddress.ip_network("::ffff:0:0:0/96"))
 _UNSAFE_CHARS = frozenset("\\ \t\r\n")
 
 
@@ -74,19 +77,23 @@ def check_ip(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
         inner = _embedded_ipv4(ip)
         if inner is not None:
             check_ip(inner)
+        if any(ip in net for net in _TRANSLATED):
+            raise Forbidden(f"address {ip} is an IPv4 translation address")
     if ip.is_multicast or ip.is_unspecified or ip.is_loopback or ip.is_link_local or ip.is_private or not ip.is_global:
         raise Forbidden(f"address {ip} is not a public internet address")
 
 
 def normalise_host(raw: str) -> str:
-    host = unicodedata.normalize("NFKC", raw).lower().rstrip(".")
-    if not host:
-        raise Forbidden("URL has no host")
+    host = unicodedata.normalize("NFKC", raw).lower()
     if not host.isascii():
         try:
             host = host.encode("idna").decode("ascii")
         except UnicodeError:
             raise Forbidden("host name is not a valid internationalised name") from None
+    # after IDNA: "localhost\u3002" is "localhost." to an HTTP client (UTS 46 maps the dot)
+    host = host.rstrip(".")
+    if not host:
+        raise Forbidden("URL has no host")
     return host
 
 
@@ -120,12 +127,15 @@ def check_url(
         raise Forbidden("URL contains credentials")
     if "%" in authority:
         raise Forbidden("URL host contains percent-escapes")
+    bracketed = "[" in authority
     try:
         netloc_host = urlsplit(url).hostname
     except ValueError:
         raise Forbidden("malformed URL") from None
     host = normalise_host(netloc_host or "")
     literal = host_literal(host)
+    if bracketed and not isinstance(literal, ipaddress.IPv6Address):
+        raise Forbidden("malformed IPv6 host")  # IPvFuture ([v1.x]) and the like
     name = None if literal is not None else host
     if block_internal:
         if literal is not None:
@@ -138,18 +148,28 @@ def check_url(
 
 
 class Resolver:
-    """Optional DNS check: every address a name resolves to must be public. Small TTL cache."""
+    """Optional DNS check: every address a name resolves to must be public. Small TTL cache.
 
-    def __init__(self, timeout_s: float = 0.5, ttl_s: float = 60.0, max_entries: int = 4096) -> None:
+    getaddrinfo runs on a small shared thread pool (libuv's 4 threads under uvloop) that the
+    upstream connections use too, and a lookup we stop waiting for keeps its thread until the
+    system resolver gives up (10 s and more): names under a DNS server that never answers would
+    starve the data path. So at most `max_lookups` run at once, counted until they really end;
+    beyond that a name is refused for now (not cached)."""
+
+    def __init__(self, timeout_s: float = 0.5, ttl_s: float = 60.0, max_entries: int = 4096, max_lookups: int = 2) -> None:
         self.timeout = timeout_s
         self.ttl = ttl_s
         self.max_entries = max_entries
+        self.max_lookups = max_lookups
+        self.running = 0  # lookups whose thread is still busy
         self._cache: dict[str, tuple[float, str | None]] = {}
 
     async def check(self, host: str) -> None:
         now = time.monotonic()
         cached = self._cache.get(host)
         if cached is None or cached[0] < now:
+            if self.running >= self.max_lookups:
+                raise Forbidden(f"host {host!r} cannot be checked now (too many DNS lookups in progress)")
             verdict = await self._resolve(host)
             if len(self._cache) >= self.max_entries:
                 self._cache.clear()
@@ -157,10 +177,18 @@ class Resolver:
         if cached[1] is not None:
             raise Forbidden(cached[1])
 
+    def _ended(self, lookup: asyncio.Future) -> None:
+        self.running -= 1
+        if not lookup.cancelled():
+            lookup.exception()  # retrieved: a lookup we stopped waiting for logs nothing
+
     async def _resolve(self, host: str) -> str | None:
         loop = asyncio.get_running_loop()
+        lookup = asyncio.ensure_future(loop.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+        self.running += 1
+        lookup.add_done_callback(self._ended)
         try:
-            infos = await asyncio.wait_for(loop.getaddrinfo(host, None, type=socket.SOCK_STREAM), self.timeout)
+            infos = await asyncio.wait_for(asyncio.shield(lookup), self.timeout)
         except (OSError, asyncio.TimeoutError):
             return f"host {host!r} could not be resolved"
         for info in infos:

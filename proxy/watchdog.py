@@ -18,12 +18,12 @@ import logging
 import time
 from typing import Callable
 
-import aiohttp
+import httpx
 
 from proxy.config import HungReplicaConfig
 from proxy.forward import Track, UpstreamFailure
 from proxy.routing.backends import Backend
-from proxy.tasks import Background
+from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.watchdog")
 
@@ -33,7 +33,7 @@ class Watchdog:
         self,
         config: HungReplicaConfig,
         tracks: dict[Backend, Track],
-        session: Callable[[], aiohttp.ClientSession],
+        session: Callable[[], httpx.AsyncClient],
         on_down: Callable[[Backend], None],
     ) -> None:
         self.config = config
@@ -41,18 +41,13 @@ class Watchdog:
         self._session = session
         self.on_down = on_down
         self._probes: dict[Backend, asyncio.Task] = {}
-        self._loop = Background()
+        self._tasks = Supervisor("watchdog")  # the Runtime's, from start()
 
-    def start(self) -> None:
+    def start(self, tasks: Supervisor) -> None:
+        self._tasks = tasks
         if self.config.enabled:
             tick = min(0.25, self.config.suspect_after_s / 4)
-            self._loop.every(tick, self.check, "hung-replica check", log, wait_first=True)
-
-    async def stop(self) -> None:
-        await self._loop.stop()
-        for task in list(self._probes.values()):
-            task.cancel()
-        await asyncio.gather(*self._probes.values(), return_exceptions=True)
+            tasks.every(tick, self.check, "hung-replica check", log, wait_first=True)
 
     async def check(self) -> None:
         """One tick: probe each replica whose in-flight requests all went silent."""
@@ -79,7 +74,7 @@ class Watchdog:
         return await asyncio.shield(self._probes.get(backend) or self._probe(backend))
 
     def _probe(self, backend: Backend) -> asyncio.Task:
-        task = self._probes[backend] = asyncio.get_running_loop().create_task(self._run_probe(backend))
+        task = self._probes[backend] = self._tasks.spawn(self._run_probe(backend), f"probe of {backend.name}")
         return task
 
     async def _run_probe(self, backend: Backend) -> bool:

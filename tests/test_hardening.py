@@ -408,4 +408,4 @@ def test_serve_passes_the_configured_limits_to_the_protocol() -> None:
     config = parse_config({"backends": [{"name": "b", "url": "http://127.0.0.1:1"}],
                            "server": {"header_timeout_s": 7, "body_timeout_s": 9, "max_header_bytes": 4096, "max_headers": 20}})
     factory = pickle.loads(pickle.dumps(uvicorn_options(config)["http"]))  # workers get it pickled
-    assert factory.keywords["limits"] == (7, 9, 4096, 20)
+    assert factory.keywords["limits"] == (7, 9, 4096, 20, 60.0)

@@ -159,6 +159,10 @@ FORBIDDEN = [
     "https://example.com\\@127.0.0.1/a.png", "https://exa mple.com/a.png",
     "file:///etc/passwd", "ftp://example.com/a.png", "gopher://example.com/", "javascript:alert(1)",
     "//example.com/a.png", "example.com/a.png", "https:///a.png", "https://[::1/a.png",
+    # an ideographic or half-width full stop is a dot to IDNA (UTS 46): a trailing one too
+    "https://localhost\u3002/a.png", "https://metadata.google.internal\uff61/v1/", "https://127.0.0.1\u3002/a.png",
+    "https://[64:ff9b:1::a9fe:a9fe]/a.png", "https://[::ffff:0:127.0.0.1]/a.png",  # local NAT64, SIIT-translated
+    "https://[v1.x]/a.png",  # IPvFuture: brackets hold an IPv6 address or nothing we fetch
 ]
 
 
@@ -253,3 +257,20 @@ def test_fuzzed_content_never_500_and_never_bypasses(fuzz_target, messages, extr
         for m in data["messages"]:
             if isinstance(m.get("content"), list):
                 assert all(isinstance(p, dict) and p.get("type") in TEXT_PARTS for p in m["content"])
+
+
+@pytest.mark.parametrize("extra", [{"input": "x"}, {}])
+def test_chat_style_embeddings_are_guarded(shared_mixed, extra: dict) -> None:
+    """vLLM's /v1/embeddings also takes `messages` (EmbeddingChatRequest) and fetches their media.
+    Before: only `input` was looked at, so `messages` beside it went to vLLM unchecked (and chat
+    style embeddings without `input` were refused as incomplete)."""
+    proxy, untrusted, trusted = shared_mixed
+    body = {"model": MODEL, **extra, "messages": [{"role": "user", "content": [image("https://169.254.169.254/x")]}]}
+    error = error_of(httpx.post(proxy.url + "/v1/embeddings", json=body))
+    assert (error["code"], error["param"]) == ("media_url_forbidden", "messages[0].content[0].image_url.url")
+    body["messages"][0]["content"] = [image("https://example.com/a.png")]
+    resp = httpx.post(proxy.url + "/v1/embeddings", json=body)
+    if extra:
+        assert resp.status_code == 200, resp.text
+    else:  # forwarded: the simulator has no chat-style embeddings, its own 400 names `input`, not the proxy's
+        assert "x-vllm-proxy-backend" in resp.headers, resp.text

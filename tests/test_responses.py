@@ -189,6 +189,13 @@ def test_multimodal_parts_pass_the_policy_and_url_guard(servers: Servers) -> Non
         client.responses.create(model=MODEL, input=[{"role": "user", "content": [
             {"type": "input_file", "file_url": "http://10.0.0.1/secret.pdf"}]}])
     assert info.value.body["code"] == "media_url_forbidden"
+    # a tool's output: vLLM makes `output` a tool message's content, and fetches its media too
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input=[
+            {"role": "user", "content": "hi"},
+            {"type": "function_call_output", "call_id": "c1",
+             "output": [{"type": "input_image", "image_url": "https://169.254.169.254/latest/meta-data"}]}])
+    assert (info.value.body["code"], info.value.body["param"]) == ("media_url_forbidden", "input[1].output[0].image_url")
 
 
 @pytest.mark.parametrize("body, status, code, param", [

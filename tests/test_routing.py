@@ -97,6 +97,8 @@ def test_prefix_affinity_alone_is_its_own_pick_step() -> None:
     sched = scheduler({"policy": "prefix_affinity"})
     assert type(sched.policy).__name__ == "PrefixAffinity" and sched.policy.name == "prefix_affinity"
     assert hasattr(sched.policy, "load")  # what the LoRA manager reads
+    mixed = scheduler({"policy": "p", "profiles": {"p": {"scorers": ["prefix_affinity", "queue_depth"]}}})
+    assert hasattr(mixed.policy, "load") and hasattr(mixed.policy, "serve")  # its packing repair runs too
 
 
 # -- the scheduler: filters, admission, lease ----------------------------------------------------

@@ -13,7 +13,7 @@ import dns.resolver
 
 from proxy.config import BackendSource
 from proxy.discovery.fleet import Fleet, Found
-from proxy.tasks import Background
+from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.discovery")
 
@@ -39,7 +39,6 @@ class DnsDiscovery:
         if self.config.nameservers is not None:
             self.resolver.nameservers = [_nameserver(n) for n in self.config.nameservers]
         self.resolver.lifetime = self.config.timeout_s
-        self._loop = Background()
 
     async def _records(self, name: str, rdtype: str) -> list:
         try:
@@ -66,9 +65,9 @@ class DnsDiscovery:
             return
         self.fleet.update(self.source, found)
 
-    async def start(self) -> None:
+    async def start(self, tasks: Supervisor) -> None:
         await self.sync()
-        self._loop.every(self.config.interval_s, self.sync, f"source {self.source.name}: DNS resolution", log, wait_first=True)
+        tasks.every(self.config.interval_s, self.sync, f"source {self.source.name}: DNS resolution", log, wait_first=True)
 
     async def stop(self) -> None:
-        await self._loop.stop()
+        pass  # its loop is the Runtime's task

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from proxy.config import BackendConfig, BackendSource
 from proxy.routing.backends import Backend
+from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.discovery")
 
@@ -47,6 +48,7 @@ class Fleet:
         on_retired: Callable[[Backend], None],
         entry_window_s: float,
         adopt: dict[str, Backend] | None = None,
+        tasks: Supervisor | None = None,
     ) -> None:
         self.backends = backends  # the Runtime's list, shared with every component: changed in place
         self.on_change = on_change
@@ -58,6 +60,7 @@ class Fleet:
         # a reload's predecessor: its replicas are taken over (health, in-flight counts) when unchanged
         self._adopt = dict(adopt or {})
         self._probes: dict[str, asyncio.Task] = {}
+        self._tasks = tasks or Supervisor("fleet")
 
     def update(self, source: BackendSource, found: list[Found]) -> None:
         """Reconcile the replicas of `source` with its complete current set `found`."""
@@ -107,7 +110,7 @@ class Fleet:
         if backend.healthy:  # taken over from the previous config, still serving
             return
         log.info("replica %s (%s) is ready: probing", backend.name, backend.url)
-        self._probes[backend.name] = asyncio.get_running_loop().create_task(self._first_probe(backend))
+        self._probes[backend.name] = self._tasks.spawn(self._first_probe(backend), f"first probe of {backend.name}")
 
     async def _first_probe(self, backend: Backend) -> None:
         """Probe until healthy (or until the regular health loop takes over): the replica then

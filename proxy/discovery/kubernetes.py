@@ -21,7 +21,7 @@ import orjson
 
 from proxy.config import BackendSource
 from proxy.discovery.fleet import Fleet, Found
-from proxy.tasks import Background
+from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.discovery")
 
@@ -115,7 +115,7 @@ class KubernetesDiscovery:
         self.synced = asyncio.Event()  # set after each successful (re)list; tests wait on it
         self.relists = 0
         self._api = None
-        self._loop = Background()
+        self._tasks: Supervisor | None = None
 
     # -- client ------------------------------------------------------------------------------
 
@@ -222,16 +222,18 @@ class KubernetesDiscovery:
             await asyncio.sleep(pause)
             pause = min(pause * 2, BACKOFF_MAX_S)
 
-    async def start(self) -> None:
+    async def start(self, tasks: Supervisor) -> None:
+        self._tasks = tasks = tasks.child(f"source {self.source.name}")
         try:
             await asyncio.wait_for(self.relist(), FIRST_LIST_S)
         except Exception as exc:  # the loop below keeps trying
             self.resource_version = None
             log.warning("source %s: first list failed: %s", self.source.name, exc or type(exc).__name__)
-        self._loop.start(self._run())
+        tasks.spawn(self._run(), f"source {self.source.name}: Kubernetes watch")
 
     async def stop(self) -> None:
-        await self._loop.stop()
+        if self._tasks is not None:
+            await self._tasks.stop()
         if self._api is not None:
             await self._api.close()
 

@@ -6,7 +6,8 @@ from proxy.discovery.fleet import Fleet
 
 
 def make_source(source: BackendSource, fleet: Fleet):
-    """A source with `async start()` (first sync, then its background loop) and `async stop()`."""
+    """A source with `async start(tasks)` (first sync, then its background loop on the Runtime's
+    supervisor) and `async stop()`."""
     if source.dns is not None:
         from proxy.discovery.dns import DnsDiscovery
 

@@ -31,14 +31,15 @@ class PrefixIndex:
         if lru is None:
             lru = self._lru[backend] = OrderedDict()
         owner = self.owner
+        owned = owner.get
+        touch = lru.move_to_end
         stale: list[int] = []
         refresh_before = now - shared_ttl / 2
         for h in chain:
-            previous = owner.get(h)
+            previous = owned(h)
             if previous == backend:
-                written = lru[h]
-                lru.move_to_end(h)
-                if written < refresh_before:
+                touch(h)
+                if lru[h] < refresh_before:
                     lru[h] = now
                     stale.append(h)
                 continue

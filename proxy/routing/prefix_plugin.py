@@ -1,10 +1,9 @@
-"""`prefix_affinity` as a plugin: a proposing scorer around PrefixAffinity (proxy/routing/affinity.py),
+"""`prefix_affinity` as a plugin: a proposing scorer around PrefixAffinity (proxy/routing/affinity/),
 which names the replica holding the request's prefix (its tenant's replica set, under the load
 bound) and records the decision itself. Its weight is what that proposal counts for against the
 other scorers; alone in a profile its choice is final and nothing else runs."""
 from __future__ import annotations
 
-import inspect
 from typing import Sequence
 
 from proxy.config import AffinityConfig
@@ -26,10 +25,7 @@ class PrefixAffinityScorer(Scorer):
 
     def __init__(self, params: AffinityConfig, env: Env) -> None:
         super().__init__(params, env)
-        if "clock" in inspect.signature(PrefixAffinity).parameters:  # (once its time reads take a clock)
-            self.policy = PrefixAffinity(params, env.shared, clock=env.clock)
-        else:
-            self.policy = PrefixAffinity(params, env.shared)
+        self.policy = PrefixAffinity(params, env.shared, timer=env.clock)
 
     async def propose(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
         return await self.policy.pick(candidates, request, route)

@@ -57,6 +57,8 @@ class Scored:
         self.scorers = [(s, w) for s, w in scorers if not s.proposes and w > 0]
         if self.proposer is not None and hasattr(self.proposer.policy, "load"):
             self.load = self.proposer.policy.load  # in flight over all proxies (the LoRA manager's load)
+        if self.proposer is not None and hasattr(self.proposer.policy, "serve"):
+            self.serve = self.proposer.policy.serve  # its background work (the Runtime runs it)
         lone = self.scorers[0][0] if len(self.scorers) == 1 and self.proposer is None else None
         if lone is not None and lone.order is not None and hasattr(picker, "pick_lowest"):
             self.pick = partial(picker.pick_lowest, lone.order)  # type: ignore[method-assign]

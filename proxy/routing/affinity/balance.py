@@ -1,0 +1,96 @@
+"""The balance guard: a hard cap on each replica's part of the last requests routed.
+
+The load bound the placement works with is soft on purpose (a smoothed count, a noise slack, a
+looser bound for continuations, no spill before warm-up): it saves prefix hits, but over any few
+hundred requests after the workload changed (a new population placed blind to popularity, a hot
+tenant before its set grew) one replica took 1.2-1.7x the mean. This guard is the last word on
+every decision: over the last `balance_window_requests` x replicas requests (counted over all
+proxies, like every memory of the policy), no replica takes more than
+(1 + balance_epsilon) x mean + 10 of them. A request whose choice would break that goes to a replica
+of its tenant's set under the cap, else to the replica this tenant overflowed to last (so its
+prompt is cached in one more place, not scattered), else to the replica with the fewest.
+A continuation is allowed `continuation_slack` more (its own turns are cached where it goes).
+
+The window starts empty when the route's replicas change (the mean changes with them) and is
+looser while it fills, so a fresh start is not forced round-robin before anything is known.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from proxy.routing.backends import Backend
+
+_SLACK = 10.0  # requests above (1 + eps) x mean: a cap at small counts is not a round robin
+_FILLING = 0.3  # extra relative headroom while the window fills (falls linearly to 0 when full)
+
+
+class Window:
+    """One route's recent decisions: replica name -> how many of the last `size`."""
+
+    __slots__ = ("names", "fleet", "recent", "counts", "overflow", "filling")
+
+    def __init__(self, names: tuple[str, ...], before: "Window | None" = None) -> None:
+        self.names = names
+        self.fleet: tuple[Backend, ...] = ()
+        self.counts: dict[str, int] = dict.fromkeys(names, 0)
+        self.recent: deque[str] = deque()
+        # a fresh start knows nothing yet: looser while the window fills; after a change of the
+        # route's replicas the placement already knows its tenants
+        self.filling = _FILLING if before is None else 0.0
+        self.overflow: dict[int, str] = {}  # tenant pin -> replica it last overflowed to
+
+
+class Balance:
+    """The guard, with one window per route (each route has its own replicas)."""
+
+    def __init__(self, per_replica: float, epsilon: float, continuation_slack: float) -> None:
+        self.per_replica = per_replica
+        self.epsilon = epsilon
+        self.continuation_slack = continuation_slack
+        self._routes: dict[str, Window] = {}
+
+    def check(self, route: str, candidates: Sequence[Backend], chosen: Backend, pin: int,
+              members: Sequence[str], continuation: bool, proxies: float) -> tuple[Backend, bool]:
+        """`chosen`, or the replica that takes this request instead; True when it was capped."""
+        window = self._routes.get(route)
+        n = len(candidates)
+        fleet = tuple(candidates)
+        if window is None or window.fleet != fleet:  # (the same replica objects: compared by identity)
+            names = tuple(b.name for b in candidates)
+            if window is None or window.names != names:
+                window = self._routes[route] = Window(names, window)
+            window.fleet = fleet
+        counts = window.counts
+        proxies = max(proxies, 1.0)
+        size = max(int(self.per_replica * n / proxies), n)  # this proxy's part of the window
+        filled = len(window.recent)
+        # each proxy holds its own part to the cap: their slacks add up to one
+        limit = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * filled / n + _SLACK / proxies
+        capped = counts[chosen.name] + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0)
+        if capped:
+            chosen = self._instead(window, candidates, pin, members, limit)
+        name = chosen.name
+        counts[name] += 1
+        recent = window.recent
+        recent.append(name)
+        while len(recent) > size:  # (size follows the estimate of the number of proxies)
+            counts[recent.popleft()] -= 1
+        return chosen, capped
+
+    @staticmethod
+    def _instead(window: Window, candidates: Sequence[Backend], pin: int, members: Sequence[str],
+                 limit: float) -> Backend:
+        counts = window.counts
+        under = [b for b in candidates if counts[b.name] + 1 <= limit]
+        if not under:
+            return min(candidates, key=lambda b: counts[b.name])
+        own = [b for b in under if b.name in members]
+        if own:
+            return min(own, key=lambda b: counts[b.name])
+        last = window.overflow.get(pin)
+        chosen = next((b for b in under if b.name == last), None) or min(under, key=lambda b: counts[b.name])
+        if len(window.overflow) > 4 * len(candidates) + 1024:
+            window.overflow.clear()  # bounded: the tenants of long ago need no memory here
+        window.overflow[pin] = chosen.name
+        return chosen

@@ -1,0 +1,135 @@
+"""The load estimate of `prefix_affinity`: the request clock and the per-replica loads it bounds.
+
+The clock advances by one request over all proxies (each proxy steps it by the number of
+proxies it infers from the shared load view). The bound applies to the **smoothed** load: the
+decayed count of requests routed to each replica, this proxy's plus the others' (published
+through Redis, aged at the observed request rate); placement scores by the **recent** count
+(this proxy, a quarter of the window: where traffic goes now); in-flight counts only guard
+against a real queue. A replica that joined counts at least the others' mean at first, falling
+linearly to its own over `load_window_requests`, so the others do not all look over the bound.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from proxy.config import AffinityConfig
+from proxy.routing.backends import Backend
+from proxy.routing.affinity.counts import DecayedCounts
+from proxy.shared import SharedState
+
+_RATE_EVERY_S = 1.0  # the request rate is measured over this much wall time...
+_RATE_EVERY_REQUESTS = 64.0  # ... or this many requests, whichever comes first
+_START_RATE = 100.0  # requests a second assumed before the first measurement
+
+
+class LoadView:
+    def __init__(self, config: AffinityConfig, shared: SharedState | None, wall: Callable[[], float]) -> None:
+        self.config = config
+        self.shared = shared
+        self.clock = 0.0  # requests routed over all proxies (estimated)
+        self.proxies = 1.0  # proxies sharing the traffic (estimated): the clock's step per request here
+        self.rate = _START_RATE  # clock units per wall second, measured
+        self._rate_mark = (wall(), 0.0)  # (wall, clock) where the current measurement started
+        self.routed = DecayedCounts(config.load_window_requests, 0.0)  # per backend name, and None = all
+        # the same over a quarter of the window, this proxy only: where traffic goes now (placement)
+        self.recent = DecayedCounts(config.load_window_requests / 4, 0.0)
+        self.joined: dict[str, float] = {}  # replica -> clock when it joined (its load is ramped up)
+        self.fleet_rate = 0.0  # smoothed requests routed over all proxies, as of the last decision
+        self._wall = wall
+        if shared is not None:
+            shared.rate_tau = config.load_window_requests / self.rate
+            shared.local_rates = lambda wall: self.routed.snapshot(self.clock)
+
+    def tick(self, wall: float) -> float:
+        """Advance the clock by one request over all proxies; measure its rate in wall time (only
+        used to age what other proxies published)."""
+        self.clock += self.proxies
+        since, at = self._rate_mark
+        if wall - since >= _RATE_EVERY_S or (self.clock - at >= _RATE_EVERY_REQUESTS and wall > since):
+            self.rate = max((self.clock - at) / (wall - since), 1e-3)
+            self._rate_mark = (wall, self.clock)
+            if self.shared is not None:
+                self.shared.rate_tau = self.config.load_window_requests / self.rate
+        return self.clock
+
+    def count(self, name: str, now: float) -> None:
+        """This request went to `name`."""
+        self.routed.count(name, self.routed.factor(now))
+        self.recent.add(name, now)
+
+    def load(self, backend: Backend) -> int:
+        """Instantaneous in-flight requests over all proxies (also used by the LoRA manager)."""
+        return self.loads((backend,))[0]
+
+    def loads(self, candidates: Sequence[Backend]) -> list[int]:
+        """`load` of each candidate, in one pass (this runs on every request)."""
+        remote = self.shared.remote_load if self.shared is not None else None
+        if not remote:
+            return [b.in_flight for b in candidates]
+        return [b.in_flight + remote.get(b.name, 0) for b in candidates]
+
+    def smoothed(self, candidates: Sequence[Backend], now: float) -> list[float]:
+        """Decayed routed counts over all proxies, per candidate; a replica that joined lately
+        counts at least a share of the others' mean that falls to zero over window / 2."""
+        down = 1.0 / self.routed.factor(now)
+        mine = self.routed.scaled
+        shared = self.shared
+        if shared is not None and shared.remote_rate:
+            remote = shared.remote_rate
+            age = max(self._wall() - shared.remote_rate_at, 0.0)
+            decay = math.exp(-age * self.rate / self.config.load_window_requests)
+            rates = [mine.get(b.name, 0.0) * down + remote.get(b.name, 0.0) * decay for b in candidates]
+        else:
+            rates = [mine.get(b.name, 0.0) * down for b in candidates]
+        if self.joined:
+            self.ramp(candidates, rates, now)
+        return rates
+
+    def bounds(self, candidates: Sequence[Backend], now: float) -> tuple[list[float], list[int], float, float, int]:
+        """(smoothed loads, in-flight loads, mean, the bound on the smoothed load, the in-flight
+        guard) for this decision; updates the fleet's rate and the proxies estimate on the way."""
+        cfg = self.config
+        n = len(candidates)
+        rates = self.smoothed(candidates, now)
+        flights = self.loads(candidates)
+        self.fleet_rate = total = sum(rates)
+        local = self.routed.value(None, now)  # all this proxy routed, on the same window as `rates`
+        if local >= 16.0:  # proxies sharing the traffic: the fleet's routed count over this proxy's
+            self.proxies += (min(max(total / local, 1.0), 64.0) - self.proxies) * 0.02
+        mean = (total + 1.0) / n
+        cap = (1.0 + cfg.epsilon) * mean + cfg.load_slack * math.sqrt(mean)  # slack: the count's own noise
+        qcap = math.ceil((1.0 + cfg.epsilon) * (sum(flights) + 1) / n) + cfg.queue_slack
+        return rates, flights, mean, cap, qcap
+
+    def recent_loads(self, candidates: Sequence[Backend]) -> list[float]:
+        """Requests this proxy routed to each candidate over the last quarter load window (ramped
+        up for a replica that joined, as `smoothed`): where traffic goes now."""
+        recent = self.recent
+        down = 1.0 / recent.factor(self.clock)
+        scaled = recent.scaled
+        values = [scaled.get(b.name, 0.0) * down for b in candidates]
+        if self.joined:
+            self.ramp(candidates, values, self.clock)
+        return values
+
+    def ramp(self, candidates: Sequence[Backend], values: list[float], now: float, into: dict | None = None) -> None:
+        """Raise each lately joined replica's value to the others' mean times the part of its
+        ramp (load_window_requests) still to go; in `values`, or in `into` by name."""
+        ramp = self.config.load_window_requests
+        joined = self.joined
+        for name, at in list(joined.items()):
+            if now - at >= ramp:
+                del joined[name]
+        old = [v for b, v in zip(candidates, values) if b.name not in joined]
+        if not old:
+            return
+        mean = sum(old) / len(old)
+        for i, backend in enumerate(candidates):
+            at = joined.get(backend.name)
+            if at is not None:
+                floor = max(values[i], mean * (1.0 - (now - at) / ramp))
+                if into is None:
+                    values[i] = floor
+                else:
+                    into[backend.name] = floor

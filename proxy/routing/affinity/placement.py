@@ -1,0 +1,221 @@
+"""The decision of `prefix_affinity` for one request: continuation, the tenant's set, growth,
+shrinking, re-homing, a new tenant's placement (see proxy/routing/affinity/__init__.py)."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Sequence
+
+from proxy.config import AffinityConfig
+from proxy.routing.backends import Backend
+from proxy.routing.affinity.load import LoadView
+from proxy.routing.affinity.ranking import ranked, rendezvous_order
+from proxy.routing.affinity.store import TenantStore
+from proxy.routing.affinity.table import TenantTable
+from proxy.routing.affinity.tenants import TenantStats
+
+log = logging.getLogger("vllm_proxy.affinity")
+
+_PLACE_CHOICES = 8  # equally acceptable replicas offered to the shared table for a new tenant
+
+
+class Placement:
+    def __init__(self, config: AffinityConfig, load: LoadView, tenants: TenantStats, table: TenantTable,
+                 store: TenantStore, spilled: Callable[[float], None]) -> None:
+        self.config = config
+        self.load = load
+        self.tenants = tenants
+        self.table = table
+        self.store = store
+        self.spilled = spilled  # a spill brings the packing repair forward
+        self.returning = False  # the tenant of the request being routed was idle until now
+        # (old set, new set, reason) for `change`: a set change the store must accept first
+        self._growing: tuple[tuple[str, ...], tuple[str, ...], str] = ((), (), "")
+        self._placing: list[tuple[str, int]] = []  # (replica, its tenants) choices for `place`, best first
+
+    def decide(self, candidates: Sequence[Backend], where: dict[str, int], pin: int, pin_blocks: int,
+               match: tuple[int, str | None], now: float, wall: float) -> tuple[Backend, str]:
+        chosen, reason = self._choose(candidates, where, pin, pin_blocks, match, now, wall)
+        if reason == "place":
+            return self._place(candidates, pin, chosen, now)
+        if reason == "grow":
+            return self._change(candidates, pin, chosen, now)
+        return chosen, reason
+
+    def _choose(self, candidates: Sequence[Backend], where: dict[str, int], pin: int, pin_blocks: int,
+                match: tuple[int, str | None], now: float, wall: float) -> tuple[Backend, str]:
+        cfg = self.config
+        n = len(candidates)
+        rates, flights, mean, cap, qcap = self.load.bounds(candidates, now)
+        matched, owner = match
+        entry = self.table.pins.get(pin)
+        if entry is not None and not entry[0]:
+            entry = None
+        # a continuation follows its conversation only while that replica is one of its tenant's:
+        # after the tenant moved (or this conversation spilled) it goes where the tenant's prompt
+        # is, recomputing its own turns once, rather than keep the prompt alive in a second cache
+        # for as long as its conversations last
+        if owner is not None and matched > pin_blocks and (entry is None or owner in entry[0]):
+            i = where.get(owner)
+            if i is not None:
+                # (before warm-up, as for a tenant's own replicas below, only a real queue stops it)
+                loose = cap + cfg.continuation_slack * mean if self.tenants.warm(now) else math.inf
+                if rates[i] + 1 <= loose and flights[i] + 1 <= qcap:
+                    return candidates[i], "prefix-hit"
+
+        if entry is None:
+            order = ranked(self.load, self.table, candidates, rates, flights, cap, qcap, pin, ())
+            # the shared table may correct the first choice to an equally good one (see `place`)
+            every = self.table.all_counts
+            first = order[0][0][:3]
+            self._placing = [(b.name, every.get(b.name, 0)) for k, _, b in order[:_PLACE_CHOICES] if k[:3] == first]
+            return order[0][2], "place"
+        members, stamp = entry
+        here = []  # its replicas among the candidates (a loop: a comprehension costs a call here)
+        for name in members:
+            i = where.get(name)
+            if i is not None:
+                here.append(i)
+        # among its replicas, the one with the least traffic now (the smoothed load lags behind a
+        # set that just changed, and would send it all to the newest member for a while)
+        now_load = self.load.recent_loads(candidates) if len(here) > 1 else rates
+        if self.returning or len(here) < len(members):
+            # an idle tenant came back, or a replica of its set left: place it anew (keeping the
+            # replicas it has that still have room), and never back onto a replica that left
+            return self._rehome(candidates, rates, flights, cap, qcap, pin, members, here, now)
+        best = -1
+        for i in here:
+            if rates[i] + 1 <= cap and flights[i] + 1 <= qcap and (best < 0 or now_load[i] < now_load[best]):
+                best = i
+        self.table.refresh(pin, members, stamp, wall, now)
+        if best >= 0:
+            # a tenant whose own traffic needs another replica grows now, not once the smoothed
+            # load of its replicas has caught up with it (half a load window later)
+            if len(members) < n and self.tenants.may_grow(pin, len(members), n, now):
+                chosen = self._best(candidates, rates, flights, cap, qcap, pin, members, grow=True)
+                if chosen.name not in members and rates[where[chosen.name]] + 1 <= cap:
+                    return self._propose(pin, members, members + (chosen.name,), chosen, "pinned")
+            if len(members) > 1:
+                self._maybe_shrink(pin, members, n, now)
+            return candidates[best], "pinned"
+        # A tenant grows only when its own traffic needs more replicas than it has (a copy of its
+        # prompt elsewhere costs misses and cache space) and once enough history says so: while
+        # warming up, or when others' traffic makes its replicas busy, it stays on them up to the
+        # looser (continuation) bound, beyond that single requests spill without changing its set.
+        if not self.tenants.may_grow(pin, len(members), n, now):
+            # before warm-up ends (shares unknown) only a real queue makes it spill: a spilled
+            # conversation copies the prompt elsewhere and its later turns stay there
+            hard = cap + cfg.continuation_slack * mean if self.tenants.warm(now) else math.inf
+            for i in here:
+                if rates[i] + 1 <= hard and flights[i] + 1 <= qcap and (best < 0 or now_load[i] < now_load[best]):
+                    best = i
+            if best >= 0:
+                return candidates[best], "pinned"
+            # a spilled conversation copies the prompt and stays where it went: the packing
+            # repair should look at this soon rather than at its next period
+            self.spilled(now)
+            return self._best(candidates, rates, flights, cap, qcap, pin, members, grow=True), "spill"
+        # every member is over the bound: grow the set by the best other replica
+        chosen = self._best(candidates, rates, flights, cap, qcap, pin, members, grow=True)
+        return self._propose(pin, members, members + (chosen.name,), chosen, "spill")
+
+    def _rehome(
+        self, candidates: Sequence[Backend], rates: list[float], flights: list[int], cap: float, qcap: int,
+        pin: int, members: tuple[str, ...], here: list[int], now: float,
+    ) -> tuple[Backend, str]:
+        """The set of a tenant that came back from idle, or lost a replica: the members still
+        present that have load and cache room left, else the best replica for a new tenant."""
+        table = self.table
+        if here and not self.returning:  # a replica left: the others stay as they are
+            room = here
+        else:
+            counts = table.counts(self.load.clock)
+            slots = math.ceil((sum(counts.get(b.name, 0) for b in candidates) + 1) / len(candidates))
+            room = [i for i in here if rates[i] + 1 <= cap and flights[i] + 1 <= qcap
+                    and counts.get(candidates[i].name, 0) + 1 <= table.capacity(candidates[i], slots)]
+        if room:
+            chosen = candidates[min(room, key=rates.__getitem__)]
+            keep = tuple(candidates[i].name for i in room)
+        else:
+            chosen = self._best(candidates, rates, flights, cap, qcap, pin, ())
+            keep = (chosen.name,)
+        if keep == members:
+            return chosen, "pinned"
+        log.info("tenant %016x %s: %s -> %s", pin, "returns" if self.returning else "lost a replica",
+                 ",".join(members), ",".join(keep))
+        return self._propose(pin, members, keep, chosen, "pinned")
+
+    def _propose(self, pin: int, old: tuple[str, ...], new: tuple[str, ...], chosen: Backend,
+                 reason: str) -> tuple[Backend, str]:
+        """Change a tenant's set through the store (`_change`: with Redis a compare-and-set, so
+        proxies changing one tenant at once agree), or not at all while it is down (this request
+        still goes to `chosen`)."""
+        if self.store.up:
+            self._growing = (old, new, reason)
+            return chosen, "grow"
+        return chosen, "spill"
+
+    def _best(
+        self, candidates: Sequence[Backend], rates: list[float], flights: list[int], cap: float, qcap: int,
+        pin: int, exclude: Sequence[str], grow: bool = False,
+    ) -> Backend:
+        """The replica for a new placement: under the bound, least (load share + tenant share),
+        ties by rendezvous order; outside `exclude` when possible."""
+        return ranked(self.load, self.table, candidates, rates, flights, cap, qcap, pin, exclude, grow)[0][2]
+
+    def _place(self, candidates: Sequence[Backend], pin: int, chosen: Backend, now: float) -> tuple[Backend, str]:
+        """A new tenant, on `chosen` unless the shared table corrects it (another proxy placed it
+        first, or filled `chosen`): then where the table says. Rendezvous order while it is down."""
+        members = self.store.place(pin, self._placing)
+        if members is None:
+            return self._rendezvous(candidates, pin, now)
+        self.table.changed[pin] = now
+        if chosen.name not in members:
+            for backend in candidates:
+                if backend.name in members:
+                    return backend, "pinned"
+        return chosen, "pinned"
+
+    def _change(self, candidates: Sequence[Backend], pin: int, chosen: Backend, now: float) -> tuple[Backend, str]:
+        """Change the set through the store: when another proxy changed it first, follow its set:
+        its least-loaded member, or `chosen` if it is a member."""
+        old, new, reason = self._growing
+        members = self.store.change(pin, old, new)
+        self.table.changed_by_store(pin, now)
+        if members == new and len(new) > len(old):
+            log.info("tenant %016x (share %.3f) grows to %s", pin, self.tenants.estimate(pin, now)[0], ",".join(new))
+        if members is None or chosen.name in members:
+            return chosen, reason
+        inside = [b for b in candidates if b.name in members]
+        if not inside:
+            return chosen, "spill"
+        rates = self.load.smoothed(inside, now)
+        return inside[min(range(len(inside)), key=rates.__getitem__)], "pinned"
+
+    def _rendezvous(self, candidates: Sequence[Backend], pin: int, now: float) -> tuple[Backend, str]:
+        """Stateless fallback: the pin's rendezvous order, first replica under the bound."""
+        cfg = self.config
+        rates = self.load.smoothed(candidates, now)
+        mean = (sum(rates) + 1.0) / len(candidates)
+        cap = (1.0 + cfg.epsilon) * mean + cfg.load_slack * math.sqrt(mean)
+        order = rendezvous_order(pin, candidates)
+        idx = {b.name: i for i, b in enumerate(candidates)}
+        for rank, backend in enumerate(order):
+            if rates[idx[backend.name]] + 1 <= cap:
+                return backend, "pinned" if rank == 0 else "spill"
+        return order[0], "pinned"
+
+    def _maybe_shrink(self, pin: int, members: tuple[str, ...], n: int, now: float) -> None:
+        """Drop the last member once the tenant's traffic fits in one replica less (with
+        hysteresis below the growth threshold), and its set has not changed for cool_down_requests."""
+        changed = self.table.changed.get(pin)
+        if changed is None:
+            self.table.changed[pin] = now
+            return
+        if now - changed < self.config.cool_down_requests:
+            return
+        tenants = self.tenants
+        share = min(tenants.estimate(pin, now)[0], tenants.estimate(pin, now, True)[0])  # cooling shows in either
+        if share * n < (len(members) - 1) * self.config.grow_fill * 0.75:
+            log.info("tenant %016x (share %.3f) shrinks to %s", pin, share, ",".join(members[:-1]))
+            self.table.set(pin, members[:-1], now)

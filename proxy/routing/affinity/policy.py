@@ -1,0 +1,166 @@
+"""`PrefixAffinity`: the `prefix_affinity` policy object, wiring its parts for one request
+(design: proxy/routing/affinity/__init__.py). The packing repair runs in a background task that
+the runtime starts and stops (`start`/`stop`), never from inside `pick`."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+from proxy.config import AffinityConfig
+from proxy.parse import CHAT, ParsedRequest
+from proxy.prefix import prefix_key
+from proxy.routing.backends import Backend
+from proxy.routing.catalog import Route
+from proxy.routing.index import PrefixIndex
+from proxy.routing.affinity.balance import Balance
+from proxy.routing.affinity.counts import DecayedCounts
+from proxy.routing.affinity.load import LoadView
+from proxy.routing.affinity.placement import Placement
+from proxy.routing.affinity.repair import Repair
+from proxy.routing.affinity.store import LocalStore, SharedStore, TenantStore
+from proxy.routing.affinity.table import TenantTable
+from proxy.routing.affinity.tenants import TenantStats
+from proxy.shared import SharedState
+
+log = logging.getLogger("vllm_proxy.affinity")
+
+_COMPLETIONS = "/v1/completions"
+
+
+class PrefixAffinity:
+    name = "prefix_affinity"
+
+    def __init__(self, config: AffinityConfig, shared: SharedState | None = None, *, timer: Any = time) -> None:
+        """`timer`: where wall and monotonic time are read (`time()`, `monotonic()`): the time
+        module, or a simulated clock in the offline benchmarks."""
+        self.config = config
+        self.shared = shared
+        self.index = PrefixIndex(config.index_blocks_per_backend)
+        self._wall = timer.time
+        self._monotonic = timer.monotonic
+        self.store: TenantStore = SharedStore(shared) if shared is not None else LocalStore(timer.time)
+        self.pins = self.store.pins
+        self.view = LoadView(config, shared, timer.time)
+        self.tenants = TenantStats(config, self.view, self.pins)
+        self.table = TenantTable(config, self.store, self.tenants, timer.time)
+        self.repair = Repair(config, self.view, self.tenants, self.table, self.store, timer.time)
+        self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack)
+                        if config.balance_window_requests else None)
+        self.placement = Placement(config, self.view, self.tenants, self.table, self.store, self.repair.soon)
+        # route -> replica names of its last request; and (its replicas, name -> position) to
+        # skip comparing names while the candidates are the same objects
+        self._fleets: dict[str, tuple[str, ...]] = {}
+        self._where: dict[str, tuple[tuple[Backend, ...], dict[str, int]]] = {}
+        if shared is not None:
+            shared.local_tenants = lambda wall: self.tenants.requests(self.view.clock)
+
+    # -- lifecycle: the packing repair's background task ---------------------------------------------
+    def start(self) -> None:
+        """Start the background task that runs the packing repair requests mark due."""
+        self.repair.start()
+
+    async def stop(self) -> None:
+        await self.repair.stop()
+
+    async def serve(self) -> None:
+        """That task's body, for a caller that runs its own tasks instead of `start`/`stop`."""
+        await self.repair.serve()
+
+    async def maintain(self) -> None:
+        """Run the packing repair if a request marked it due (what the background task does;
+        for callers that route without it, like the offline benchmarks and tests)."""
+        await self.repair.run_due()
+
+    # -- what other parts read -----------------------------------------------------------------------
+    @property
+    def clock(self) -> float:
+        """The policy's clock: requests routed over all proxies (estimated)."""
+        return self.view.clock
+
+    @property
+    def routed(self) -> DecayedCounts:
+        return self.view.routed
+
+    @property
+    def tenant_rate(self) -> DecayedCounts:
+        return self.tenants.rate
+
+    def load(self, backend: Backend) -> int:
+        """Instantaneous in-flight requests over all proxies (also used by the LoRA manager)."""
+        return self.view.loads((backend,))[0]
+
+    def loads(self, candidates: Sequence[Backend]) -> list[int]:
+        return self.view.loads(candidates)
+
+    def smoothed(self, candidates: Sequence[Backend], now: float) -> list[float]:
+        return self.view.smoothed(candidates, now)
+
+    # -- the decision --------------------------------------------------------------------------------
+    async def pick(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
+        endpoint = request.endpoint
+        if endpoint != CHAT and endpoint != _COMPLETIONS:
+            return min(candidates, key=self.load), "least-loaded"
+        cfg = self.config
+        key = prefix_key(endpoint == CHAT, request.data, route.upstream_id, cfg.block_chars, cfg.max_blocks)
+        chain = key.chain
+        shared = self.shared
+        match = shared.longest(chain) if shared is not None else None
+        if match is None:
+            match = self.index.longest(chain)
+        wall = self._wall()
+        now = self.view.tick(wall)
+        where = self._positions(route.name, candidates, now)
+        self.table.note_prompt(key.pin_blocks)
+        self.repair.check(candidates, now)
+        pin = key.pin
+        tenants = self.tenants
+        returning = self.placement.returning = pin in self.pins and tenants.idle(pin, now, wall)
+        chosen, reason = self.placement.decide(candidates, where, pin, key.pin_blocks, match, now, wall)
+        if self.balance is not None:
+            entry = self.pins.get(pin)
+            chosen, capped = self.balance.check(route.name, candidates, chosen, pin, entry[0] if entry else (),
+                                                match[1] == chosen.name and match[0] > key.pin_blocks, self.view.proxies)
+            if capped:
+                reason = "balance"
+        name = chosen.name
+        self.view.count(name, now)
+        tenants.note(pin, now, returning)
+        if len(tenants.rate.scaled) > self.table.forget_at:
+            self.table.forget(now)
+        stale = self.index.record(chain, name, self._monotonic(), cfg.shared_ttl_s)
+        if shared is not None and stale:
+            shared.remember(stale, name)
+        return chosen, reason
+
+    def _positions(self, route: str, candidates: Sequence[Backend], now: float) -> dict[str, int]:
+        """Replica name -> position in `candidates`; notes a change of the route's replicas."""
+        fleet = tuple(candidates)
+        known = self._where.get(route)
+        if known is not None and known[0] == fleet:  # the same replica objects (compared by identity)
+            return known[1]
+        names = self._fleets.get(route)
+        if names is None or len(names) != len(candidates) or any(a != b.name for a, b in zip(names, candidates)):
+            self._membership(route, candidates, now)
+        where: dict[str, int] = {}
+        for i, backend in enumerate(candidates):
+            where.setdefault(backend.name, i)
+        self._where[route] = (fleet, where)
+        return where
+
+    def _membership(self, route: str, candidates: Sequence[Backend], now: float) -> None:
+        """The route's healthy replicas changed: a replica that left takes its index entries (its
+        cache is gone or going); one that joined gets its load ramped up (`LoadView.smoothed`)."""
+        names = tuple(b.name for b in candidates)
+        known = self._fleets.get(route)
+        self._fleets[route] = names
+        if known is None:
+            return
+        for name in set(known) - set(names):
+            self.index.forget(name)
+            self.view.joined.pop(name, None)
+            log.info("replica %s left: its tenants are re-homed on their next request", name)
+        for name in set(names) - set(known):
+            self.view.joined[name] = now
+            log.info("replica %s joined: placement and the packing repair fill it", name)
+        self.repair.soon(now)

@@ -1,0 +1,148 @@
+"""The packing repair of `prefix_affinity`, run in the background.
+
+Every `rebalance_every_requests` (sooner after a spill or a fleet change) a request marks the
+repair due; `run_due` (the background loop that `start` runs, or a caller that wants it now, like
+the offline benchmarks) applies up to two changes planned by proxy/routing/packing.py. With Redis
+one proxy at a time plans (a lease it renews, so a single estimate of the tenants' shares decides
+and proxies never undo each other's moves) and writes by compare-and-set on the shared table.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Callable, Sequence
+
+from proxy.config import AffinityConfig
+from proxy.routing.backends import Backend
+from proxy.routing.packing import Layout, Packing
+from proxy.routing.affinity.load import LoadView
+from proxy.routing.affinity.store import TenantStore
+from proxy.routing.affinity.table import TenantTable
+from proxy.routing.affinity.tenants import TenantStats
+
+log = logging.getLogger("vllm_proxy.affinity")
+
+_SPILL_REPAIR = 40.0  # a spill or a fleet change brings the repair forward to at most this many requests away
+_SETTLED = 12.0  # requests of a tenant (decayed, over all proxies) before the repair trusts its share
+
+
+class Repair:
+    def __init__(self, config: AffinityConfig, load: LoadView, tenants: TenantStats, table: TenantTable,
+                 store: TenantStore, wall: Callable[[], float]) -> None:
+        self.config = config
+        self.load = load
+        self.tenants = tenants
+        self.table = table
+        self.store = store
+        self.next_at = 0.0  # clock at which the next repair is due
+        self.due: tuple[list[Backend], float] | None = None  # (candidates, clock) of the repair to run
+        self.running = False
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._wall = wall
+
+    def check(self, candidates: Sequence[Backend], now: float) -> None:
+        """On every request: mark the repair due when its time came and none is pending or running."""
+        if now >= self.next_at and self.due is None and not self.running:
+            self.next_at = now + self.config.rebalance_every_requests
+            self.due = (list(candidates), now)
+            self._wake.set()
+
+    def soon(self, now: float) -> None:
+        """A spill or a fleet change: repair within _SPILL_REPAIR requests."""
+        self.next_at = min(self.next_at, now + _SPILL_REPAIR)
+
+    async def run_due(self) -> None:
+        """Run the repair marked due, if any."""
+        due, self.due = self.due, None
+        self._wake.clear()
+        if due is None:
+            return
+        self.running = True
+        try:
+            await self.run(*due)
+        finally:
+            self.running = False
+
+    def start(self) -> None:
+        """Run due repairs in a background task (for as long as the policy serves)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.serve())
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def serve(self) -> None:
+        """Run due repairs until cancelled (what `start` runs; a task supervisor may run it instead)."""
+        while True:
+            await self._wake.wait()
+            try:
+                await self.run_due()
+            except Exception:  # never let the loop die
+                log.exception("packing repair failed")
+
+    async def run(self, candidates: Sequence[Backend], now: float) -> None:
+        """Apply `plan`'s changes, as the one proxy holding the lease."""
+        cfg, store, table = self.config, self.store, self.table
+        if not self.tenants.warm(now) or not store.up:
+            return
+        if not await store.lease("repair", max(3 * cfg.rebalance_every_requests / self.load.rate, 1.0)):
+            return
+        share = self.tenants.fleet_share(now, await store.other_tenants())
+        for pin, old, new in self.plan(candidates, now, share):
+            log.info("packing repair: tenant %016x (share %.3f) %s -> %s", pin, share(pin), old[0], new[0])
+            table.came_from[pin] = (old[0], now)
+            if store.change(pin, old, new) is not None:
+                table.changed_by_store(pin, now)
+
+    def plan(self, candidates: Sequence[Backend], now: float, share=None) -> list[tuple[int, tuple[str], tuple[str]]]:
+        """The packing repair's changes (proxy/routing/packing.py) for the current table, with
+        `share(pin)` the tenant's share of the traffic (default: of this proxy's). Idle tenants
+        are left out: they neither hold cache room nor carry traffic."""
+        tenants, table, cfg = self.tenants, self.table, self.config
+        share_of = share or (lambda p: tenants.current(p, now))
+        n = len(candidates)
+        where = {b.name: i for i, b in enumerate(candidates)}
+        counts, fixed = [0] * n, [0.0] * n
+        flex: list[tuple[float, list[int]]] = []
+        singles: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+        hold = now - cfg.move_after_requests
+        wall = self._wall()
+        hold_wall = wall - cfg.move_after_requests / self.load.rate
+        changed, proxies = table.changed, self.load.proxies
+        for pin, (members, stamp) in table.pins.items():
+            inside = [where[m] for m in members if m in where]
+            if not inside or tenants.idle(pin, now, wall):
+                continue
+            weight = share_of(pin) * tenants.presence(pin, now)
+            for i in inside:
+                counts[i] += 1
+            if len(inside) > 1:
+                flex.append((weight, inside))
+                continue
+            fixed[inside[0]] += weight
+            if (len(members) == 1 and stamp < hold_wall and changed.get(pin, -math.inf) < hold
+                    and tenants.rate.value(pin, now) * proxies >= _SETTLED):
+                singles[inside[0]].append((weight, pin))
+        for side in singles:
+            side.sort()
+        # each replica's fair part of the prompts (by cache size), and how much a deviation from it
+        # matters: fully once its prompts would fill `cache_fill` of the cache, less when they fit easily
+        sizes = [b.cache_tokens or 0 for b in candidates]
+        whole = sum(sizes) if all(sizes) else 0
+        fair = [sum(counts) * (size / whole if whole else 1.0 / n) for size in sizes]
+        pressure = [min(1.0, fair[i] / max(table.capacity(b, fair[i]), 1e-9)) for i, b in enumerate(candidates)]
+        packing = Packing(fair, pressure, (1.0 + cfg.epsilon / 2) / n, flex)
+        undo = now - cfg.cool_down_requests
+        banned = frozenset((pin, where[name]) for pin, (name, at) in table.came_from.items()
+                           if at > undo and name in where)
+        names = [b.name for b in candidates]
+        moves = packing.plan(Layout(counts, fixed, singles, banned))
+        if moves:
+            log.debug("packing repair: tenants per replica %s (fair %s), traffic %s", counts,
+                      [round(f, 1) for f in fair], [round(x, 3) for x in packing.loads(fixed)])
+        return [(pin, (names[a],), (names[b],)) for _, pin, a, b in moves]

@@ -1,0 +1,98 @@
+"""The tenant table: each tenant's replica set (in a store, local or shared) and what the
+policy remembers about it: when its set last changed, where the packing repair last moved it
+from, and the active tenants per replica (cached: counting walks the whole table)."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from proxy.config import AffinityConfig
+from proxy.routing.backends import Backend
+from proxy.routing.affinity.store import TenantStore
+from proxy.routing.affinity.tenants import TenantStats
+
+_CHARS_PER_TOKEN = 4  # to size a system prompt (pin blocks x block_chars) in cache tokens
+
+
+class TenantTable:
+    def __init__(self, config: AffinityConfig, store: TenantStore, tenants: TenantStats,
+                 wall: Callable[[], float]) -> None:
+        self.config = config
+        self.store = store
+        self.pins = store.pins
+        self.tenants = tenants
+        self.changed: dict[int, float] = {}  # pin -> clock when its set last changed (as seen here)
+        self.came_from: dict[int, tuple[str, float]] = {}  # pin -> (replica, clock) of its last repair move
+        self.epoch = 0  # bumped on every table change made here
+        self.forget_at = min(1024, config.max_tenants)  # rate-table size that triggers `forget`
+        self.prompt_chars = 0.0  # request-weighted moving mean of the system prompt's size
+        self._counts: dict[str, int] = {}  # active tenants per replica, cached for `_version`
+        self.all_counts: dict[str, int] = {}  # every placed tenant per replica (what the shared table holds)
+        self._version: tuple = ()
+        self._recount_at = 0.0
+        self._wall = wall
+
+    def set(self, pin: int, members: Sequence[str], now: float) -> None:
+        self.epoch += 1
+        self.changed[pin] = now
+        self.store.set(pin, members)
+
+    def changed_by_store(self, pin: int, now: float) -> None:
+        """The store took a change (a placement or a set change through it)."""
+        self.changed[pin] = now
+        self.epoch += 1
+
+    def refresh(self, pin: int, members: tuple[str, ...], stamp: float, wall: float, now: float) -> None:
+        """Rewrite a used placement before the shared table's TTL (wall time) expires it."""
+        if wall - stamp > self.config.shared_ttl_s / 2 and self.store.up:
+            self.set(pin, members, now)
+
+    def note_prompt(self, pin_blocks: int) -> None:
+        chars = max(pin_blocks, 1) * self.config.block_chars
+        self.prompt_chars += (chars - self.prompt_chars) * (0.01 if self.prompt_chars else 1.0)
+
+    def capacity(self, backend: Backend, default):
+        """Tenant prompts the replica's cache keeps: `cache_fill` of its size over the mean system
+        prompt, once scraped; else `default`."""
+        if backend.cache_tokens and self.prompt_chars:
+            return self.config.cache_fill * backend.cache_tokens * _CHARS_PER_TOKEN / self.prompt_chars
+        return default
+
+    def counts(self, now: float) -> dict[str, int]:
+        """Active (not idle) tenants per replica; recomputed when the table changed, and every
+        quarter repair period as tenants go idle."""
+        pins = self.pins
+        version = (len(pins), self.epoch, self.store.changes)
+        if version != self._version or now >= self._recount_at:
+            wall = self._wall()
+            idle = self.tenants.idle
+            counts: dict[str, int] = {}
+            every: dict[str, int] = {}
+            for pin, (members, _) in pins.items():
+                for name in members:
+                    every[name] = every.get(name, 0) + 1
+                if not idle(pin, now, wall):
+                    for name in members:
+                        counts[name] = counts.get(name, 0) + 1
+            self._counts, self.all_counts, self._version = counts, every, version
+            self._recount_at = now + max(self.config.rebalance_every_requests / 4, len(pins) / 64)
+        return self._counts
+
+    def forget(self, now: float) -> None:
+        """Bound the per-tenant tables, which grow with every distinct system prompt a client
+        sends: drop idle placements (the Redis mirror expires its own) and, beyond `max_tenants`,
+        the least recently used; then the rates and stamps of tenants not placed. Amortised: runs
+        again only once the rate table has doubled (capped just above the limit)."""
+        cfg, pins, tenants = self.config, self.pins, self.tenants
+        wall = self._wall()
+        self.store.forget_idle(lambda p: tenants.idle(p, now, wall))
+        if len(pins) > cfg.max_tenants:
+            seen = tenants.seen
+            recent = sorted(pins, key=lambda p: seen[p][1] if p in seen else -math.inf)
+            for pin in recent[:len(pins) - cfg.max_tenants * 9 // 10]:
+                del pins[pin]
+        self.changed = {p: t for p, t in self.changed.items() if p in pins}
+        self.came_from = {p: v for p, v in self.came_from.items() if p in pins}
+        tenants.keep(pins)
+        self.epoch += 1
+        self.forget_at = min(max(2 * len(tenants.rate.scaled), 1024), cfg.max_tenants * 11 // 10)

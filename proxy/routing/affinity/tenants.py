@@ -1,0 +1,178 @@
+"""What `prefix_affinity` knows of each tenant's traffic: its share, whether it is idle.
+
+A tenant's share is counted over the requests since it appeared (a new tenant's share is right
+after a few dozen requests, not after a window's worth), over the window and over a tenth of it
+(a tenant turning hot or cold shows there first). A tenant with no request for 6 of its mean gaps
+(at most `forget_requests`) is idle: it no longer counts in placement, cache room or the packing
+repair, and when it returns it is counted from scratch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from proxy.config import AffinityConfig
+from proxy.routing.affinity.counts import DecayedCounts
+from proxy.routing.affinity.load import LoadView
+from proxy.routing.affinity.store import Pins
+
+_PUBLISH_TENANTS = 16384  # tenants up to which this proxy shares its counts with the others' planner
+_GROW_SIGMAS = 2.5  # a set grows on the lower confidence bound of the tenant's share (Poisson)
+_IDLE_GAPS = 6.0  # a tenant is idle after this many of its mean gaps without a request (P ~ e^-6 by chance)
+_IDLE_SIGMAS = 2.0  # ... of its mean gaps at the low end of its share (Poisson), so a light one is not dropped early
+_PRESENT_GAPS = 3.0  # the packing repair weighs a tenant silent for more of its mean gaps than this down
+_FAST = 10.0  # tenant_fast's window is this much shorter than window_requests
+_SHIFTED_SIGMAS = 3.0  # a share over the short window this far from the long one means the tenant changed
+
+
+class TenantStats:
+    def __init__(self, config: AffinityConfig, load: LoadView, pins: Pins) -> None:
+        self.config = config
+        self.load = load
+        self.pins = pins
+        window = config.window_requests
+        self.rate = DecayedCounts(window, 0.0)  # per pin, and None = all requests
+        # the same over a tenth of the window: a tenant turning hot or cold shows here first
+        self.fast = DecayedCounts(window / _FAST, 0.0)
+        # pin -> (first request, last request, low share estimate at the last, decayed requests before the
+        # first in `rate`, in `fast`)
+        self.seen: dict[int, tuple[float, float, float, float, float]] = {}
+
+    def note(self, pin: int, now: float, returning: bool) -> None:
+        """Count this request for its tenant and remember when it was seen, with a low estimate
+        of its share (`idle` waits for that many of its mean gaps)."""
+        rates, fast, seen = self.rate, self.fast, self.seen
+        up, up_fast = rates.factor(now), fast.factor(now)
+        rscaled, fscaled = rates.scaled, fast.scaled
+        if returning or pin not in seen:  # (again) new: its old rate says nothing now
+            rscaled.pop(pin, None)
+            fscaled.pop(pin, None)
+            seen[pin] = (now, now, 0.0, rscaled.get(None, 0.0) / up, fscaled.get(None, 0.0) / up_fast)
+        rates.count(pin, up)
+        fast.count(pin, up_fast)
+        stats = seen[pin]
+        whole = rscaled[None]
+        total = whole * _exposure(stats, 3, whole / up, rates.tau, now)
+        mine = rscaled[pin] / up  # decayed requests of this tenant
+        low = max(mine - _IDLE_SIGMAS * math.sqrt(mine), 0.0) * up / total
+        seen[pin] = (stats[0], now, low, stats[3], stats[4])
+
+    def idle(self, pin: int, now: float, wall: float) -> bool:
+        """No request of this tenant for 6 of its mean gaps (as this proxy sees them: 1/N of its
+        requests with N proxies), or for `forget_requests`. A tenant this proxy has not seen is
+        idle once its placement is older than `forget_requests` at the current rate."""
+        seen = self.seen.get(pin)
+        if seen is None:
+            entry = self.pins.get(pin)
+            return entry is None or (wall - entry[1]) * self.load.rate > self.config.forget_requests
+        gap = now - seen[1]
+        return gap >= self.config.forget_requests or gap * seen[2] >= _IDLE_GAPS * self.load.proxies
+
+    def presence(self, pin: int, now: float) -> float:
+        """How likely the tenant still sends, from the gap since its last request: 1 within three of
+        its mean gaps, falling as exp(-gaps) beyond. The packing repair weighs its share by this,
+        so when a population changes it does not make room for tenants that just left."""
+        seen = self.seen.get(pin)
+        if seen is None:
+            return 1.0
+        gaps = (now - seen[1]) * seen[2] / self.load.proxies
+        return 1.0 if gaps <= _PRESENT_GAPS else math.exp(_PRESENT_GAPS - gaps)
+
+    def warm(self, now: float) -> bool:
+        """Enough traffic over all proxies (and some here) for the tenants' shares to mean something."""
+        need = self.config.grow_min_requests
+        return self.load.fleet_rate >= need and self.rate.value(None, now) >= need / 4
+
+    def exposure(self, pin: int, now: float, fast: bool = False) -> float:
+        """Share of this proxy's decayed request count that arrived since the tenant appeared."""
+        counts = self.fast if fast else self.rate
+        return _exposure(self.seen.get(pin), 4 if fast else 3, counts.value(None, now), counts.tau, now)
+
+    def estimate(self, pin: int, now: float, fast: bool = False) -> tuple[float, float]:
+        """(this tenant's share of the requests routed here, the decayed requests it rests on),
+        counted since the tenant appeared: a new tenant's share is not diluted by the window."""
+        if fast:
+            return self._estimate(pin, now, self.fast, self.seen.get(pin), 4)
+        return self._estimate(pin, now, self.rate, self.seen.get(pin), 3)
+
+    @staticmethod
+    def _estimate(pin: int, now: float, counts: DecayedCounts, stats, at: int) -> tuple[float, float]:
+        up = counts.factor(now)  # first: it may renormalise (replace) `scaled`
+        scaled = counts.scaled
+        whole = scaled.get(None, 0.0)
+        total = whole * _exposure(stats, at, whole / up, counts.tau, now)
+        if total <= 0.0:
+            return 0.0, 0.0
+        return min(scaled.get(pin, 0.0) / total, 1.0), total / up
+
+    def current(self, pin: int, now: float) -> float:
+        """The tenant's share over the window, or over its short window when that is clearly
+        different (the tenant turned hot or cold): stable while nothing changes, quick when it does."""
+        share, _ = self.estimate(pin, now)
+        fast, seen = self.estimate(pin, now, True)
+        if abs(fast - share) * math.sqrt(max(seen, 1.0)) > _SHIFTED_SIGMAS * math.sqrt(max(share, 1e-3)):
+            return fast
+        return share
+
+    def may_grow(self, pin: int, size: int, n: int, now: float) -> bool:
+        """Enough history, and the tenant alone nearly fills the replicas it has, even at the low
+        end of what its share could be, over the window or over its last quarter (a tenant
+        turning hot shows there first): estimated from this proxy's requests (a third of them
+        with three proxies), a 10 % tenant often looks like 25 % early on, and a needless copy of
+        its prompt costs every replica involved cache room for good."""
+        if not self.warm(now):
+            return False
+        need = size * self.config.grow_fill
+        stats = self.seen.get(pin)
+        for counts, at in ((self.rate, 3), (self.fast, 4)):
+            share, seen = self._estimate(pin, now, counts, stats, at)
+            mine = share * seen  # its requests (decayed); Poisson bound: a first request is not "100 %"
+            low = max(mine - _GROW_SIGMAS * math.sqrt(mine), 0.0) / max(seen, 1.0)
+            if low * n >= need:
+                return True
+        return False
+
+    def requests(self, now: float) -> tuple[dict[int, float], float] | None:
+        """(tenant -> decayed requests routed here, all of them), published for the other proxies'
+        packing repair; None past _PUBLISH_TENANTS (copying and ranking them each second would
+        stall the event loop; the planner then counts this proxy's requests out of its shares)."""
+        if len(self.rate.scaled) > _PUBLISH_TENANTS:
+            return None
+        snapshot = self.rate.snapshot(now)
+        return snapshot, snapshot.pop(None, 0.0)
+
+    def fleet_share(self, now: float, others: tuple[dict[int, float], float] | None) -> Callable[[int], float]:
+        """share(pin) over every proxy's requests: this proxy's counts plus the others' published
+        ones, counted since the tenant appeared."""
+        if not others or others[1] <= 0:
+            return lambda pin: self.current(pin, now)
+        rates, total = others
+        down = 1.0 / self.rate.factor(now)
+        scaled = self.rate.scaled
+        whole = scaled.get(None, 0.0) * down + total
+
+        def share(pin: int) -> float:
+            fleet = min((scaled.get(pin, 0.0) * down + rates.get(pin, 0.0)) / max(whole * self.exposure(pin, now), 1e-9), 1.0)
+            here = self.estimate(pin, now)[0]
+            current = self.current(pin, now)  # this proxy's view of a change scales the fleet's
+            return fleet if current == here or here <= 0.0 else min(fleet * current / here, 1.0)
+
+        return share
+
+    def keep(self, pins: Pins) -> None:
+        """Drop the rates and stamps of tenants no longer placed (the table's `forget`)."""
+        self.seen = {p: v for p, v in self.seen.items() if p in pins}
+        for counts in (self.rate, self.fast):
+            counts.scaled = {k: v for k, v in counts.scaled.items() if k is None or k in pins}
+
+
+def _exposure(stats: tuple | None, at: int, total: float, tau: float, now: float) -> float:
+    """Share of `total` (this proxy's decayed request count, time constant `tau`) that arrived
+    since the tenant (`stats`: its `seen` entry; `at`: where its count before it is) appeared."""
+    if stats is None:
+        return 1.0
+    before = stats[at]
+    if before <= 0.0:
+        return 1.0
+    before = before * math.exp(-(now - stats[0]) / tau)
+    return max(1.0 - before / total, 1e-9) if total > 0.0 else 1.0

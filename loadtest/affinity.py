@@ -11,11 +11,18 @@ client-side TTFT and errors.
     python -m loadtest.affinity                                  # 2 shapes x 3 policies x {1,3} proxies
     python -m loadtest.affinity --quick
     python -m loadtest.affinity --policies round_robin,sglang:cache_aware --proxies 1,3 --json out.json
+    python -m loadtest.affinity --hetero --proxies 1     # one of four replicas half as fast (TTFT p99 matters)
 
 Policies: our proxy's `routing.policy` values, optionally with knobs of the policy's YAML section
 to compare variants side by side (`prefix_affinity+rebalance_every_requests=100+move_after_requests=100`; a
 policy `python -m proxy check` rejects is skipped with its message), or `sglang:<policy>` /
-`vllm-router:<policy>` for peer routers installed in --peers-venv.
+`vllm-router:<policy>` for peer routers installed in --peers-venv, or a routing profile of
+--profiles (JSON: name -> routing.profiles entry).
+
+Heterogeneous fleet (`--slow-replicas 1 --slowdown 2`, or `--hetero` for that plus the
+`cache_queue` profile below and a 0.5 s scrape of the replicas' /metrics): the last replica runs
+at half speed (its sim's time scale doubled), which a request-count balance cannot see; the
+queue_depth / kv_cache scorers (proxy/routing/scorers.py) read it from the replicas' own metrics.
 """
 from __future__ import annotations
 
@@ -36,6 +43,14 @@ from loadtest.affinity_fleet import (PEERS, Fleet, SimSettings, check_policy,
 from loadtest.affinity_workload import SHAPES, Workload, WorkloadSpec, generate, prompt_tokens, system_blocks
 
 
+DEFAULT_POLICIES = "round_robin,least_loaded,prefix_affinity"
+HETERO_PROFILE = "cache_queue"
+PROFILES = {  # profiles the scenarios use (routing.profiles entries)
+    HETERO_PROFILE: {"scorers": [{"type": "prefix_affinity", "weight": 3}, {"type": "queue_depth", "weight": 2},
+                                 {"type": "kv_cache", "weight": 2}]},
+}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.affinity", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--concurrency", type=int, default=16)
     add("--max-tokens", type=int, default=8)
     add("--seed", type=int, default=0)
-    add("--policies", default="round_robin,least_loaded,prefix_affinity")
+    add("--policies", default=DEFAULT_POLICIES)
     add("--proxies", default="1,3", help="router instances per cell (comma list)")
     add("--replicas", type=int, default=4)
     add("--fleet-cache-factor", type=float,
@@ -68,11 +83,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--redis", default="", help="Redis DB shared by proxy instances, FLUSHED per cell (opt-in: someone's "
         "data may live there); default: a private redis-server per cell on a free port")
     add("--peers-venv", default="/tmp/peers-venv")
+    add("--slow-replicas", type=int, default=0, help="this many replicas (the last ones) run --slowdown times slower")
+    add("--slowdown", type=float, default=2.0)
+    add("--profiles", default="", help="routing profiles as JSON (name -> routing.profiles entry), or @file")
+    add("--scrape-interval", type=float, help="the proxies' discovery.interval_s (also their /metrics scrape)")
+    add("--hetero", action="store_true", help="the heterogeneous-fleet scenario: --slow-replicas 1 --slowdown 2, "
+        f"--scrape-interval 0.5, policies round_robin,least_loaded,prefix_affinity,{HETERO_PROFILE}")
     add("--quick", action="store_true", help="600 requests per cell")
     add("--json", help="write all results to this file")
     args = p.parse_args(argv)
     if args.quick:
         args.requests = min(args.requests, 600)
+    text = args.profiles
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text()
+    args.profiles = json.loads(text) if text else {}
+    if args.hetero:
+        args.slow_replicas = args.slow_replicas or 1
+        args.scrape_interval = args.scrape_interval or 0.5
+        args.profiles = {HETERO_PROFILE: PROFILES[HETERO_PROFILE], **args.profiles}
+        if args.policies == DEFAULT_POLICIES:
+            args.policies += "," + HETERO_PROFILE
     return args
 
 
@@ -118,7 +149,7 @@ def usable_policies(args: argparse.Namespace, tmp: Path) -> list[str]:
         if peer in PEERS:
             why = peer_available(peer, args.peers_venv)
         else:
-            why = check_policy(policy, tmp, args.redis or "redis://127.0.0.1:1/0")
+            why = check_policy(policy, tmp, args.redis or "redis://127.0.0.1:1/0", args.profiles)
         if why:
             print(f"[skip] policy {policy}: {why.splitlines()[-1] if why else ''}", file=sys.stderr)
         else:
@@ -134,12 +165,14 @@ def run_cell(shape: str, workload: Workload, sizing: dict, policy: str, routers:
                        time_scale=args.time_scale, max_num_seqs=args.max_num_seqs)
     cell_dir = Path(tempfile.mkdtemp(prefix=f"{shape}-{policy.replace(':', '_')}-{routers}-", dir=tmp))
     with Fleet(cell_dir) as fleet:
-        fleet.start_replicas(args.replicas, sims)
+        slow = {args.replicas - 1 - k: args.slowdown for k in range(args.slow_replicas)}
+        fleet.start_replicas(args.replicas, sims, slow)
         peer, _, peer_policy = policy.partition(":")
         if peer in PEERS:
             fleet.start_peers(routers, peer, peer_policy, args.peers_venv)
         else:
-            fleet.start_proxies(routers, policy, fleet.redis_url(args.redis))
+            extra = f"discovery: {{interval_s: {args.scrape_interval}}}\n" if args.scrape_interval else ""
+            fleet.start_proxies(routers, policy, fleet.redis_url(args.redis), extra=extra, profiles=args.profiles)
         before = fleet.replica_counters()
         load = asyncio.run(run_load(workload, fleet.routers, args.concurrency))
         after = fleet.replica_counters()
@@ -228,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(x) for x in args.proxies.split(",") if x.strip()]
     shapes = [s.strip() for s in args.shape.split(",") if s.strip()]
     print(f"fleet: {args.replicas} replicas, block {args.block_size}, prefill {args.prefill_ms_per_token} ms/token, "
-          f"itl {args.itl_ms} ms, time scale {args.time_scale}, max-num-seqs {args.max_num_seqs}; "
+          f"itl {args.itl_ms} ms, time scale {args.time_scale}, max-num-seqs {args.max_num_seqs}"
+          + (f", {args.slow_replicas} replica(s) {args.slowdown}x slower" if args.slow_replicas else "") + "; "
           f"load: {args.requests} requests, concurrency {args.concurrency}, max_tokens {args.max_tokens}; logs {tmp}")
     cells, sizings = [], {}
     for shape in shapes:

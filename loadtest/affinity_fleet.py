@@ -12,7 +12,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import orjson
@@ -89,11 +89,13 @@ class Fleet:
     wait_ready = staticmethod(wait_ready)
 
     # --- replicas ----------------------------------------------------------------------------
-    def start_replicas(self, count: int, s: SimSettings) -> None:
+    def start_replicas(self, count: int, s: SimSettings, slowdown: dict[int, float] | None = None) -> None:
+        """`slowdown`: replica index -> how many times slower it runs (its sim's time scale)."""
         started = []
         for i in range(count):
             port = free_port()
-            started.append((self.spawn(f"sim{i}", replica_cmd(port, s)), f"http://{HOST}:{port}"))
+            si = replace(s, time_scale=s.time_scale * slowdown[i]) if slowdown and i in slowdown else s
+            started.append((self.spawn(f"sim{i}", replica_cmd(port, si)), f"http://{HOST}:{port}"))
         for proc, url in started:
             self.wait_ready(proc, url + "/health")
             self.replicas.append(url)
@@ -113,12 +115,12 @@ class Fleet:
 
     # --- routers -----------------------------------------------------------------------------
     def start_proxies(self, count: int, policy: str, redis_url: str, replicas: list[str] | None = None,
-                      extra: str = "") -> None:
+                      extra: str = "", profiles: dict | None = None) -> None:
         started = []
         for i in range(count):
             port = free_port()
             cfg = self.tmp / f"proxy{i}.yaml"
-            cfg.write_text(proxy_config(port, replicas or self.replicas, policy, redis_url) + extra)
+            cfg.write_text(proxy_config(port, replicas or self.replicas, policy, redis_url, profiles) + extra)
             cmd = [sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--port", str(port)]
             started.append((self.spawn(f"proxy{i}", cmd), f"http://{HOST}:{port}"))
         for proc, url in started:
@@ -145,20 +147,23 @@ def replica_cmd(port: int, s: SimSettings) -> list[str]:
             "--time-scale", str(s.time_scale), "--max-num-seqs", str(s.max_num_seqs)]
 
 
-def proxy_config(port: int, replicas: list[str], policy: str, redis_url: str) -> str:
-    """`policy` may carry knobs of its YAML section: "prefix_affinity+move_after_requests=100+epsilon=0.2"."""
+def proxy_config(port: int, replicas: list[str], policy: str, redis_url: str, profiles: dict | None = None) -> str:
+    """`policy` may carry knobs of its YAML section: "prefix_affinity+move_after_requests=100+epsilon=0.2";
+    or name one of `profiles` (routing.profiles)."""
     name, *knobs = policy.split("+")
     section = ", ".join(k.replace("=", ": ", 1) for k in knobs)
     routing = f"{{policy: {name}, {name}: {{{section}}}}}" if knobs else f"{{policy: {name}}}"
+    if profiles and name in profiles:
+        routing = orjson.dumps({"policy": name, "profiles": {name: profiles[name]}}).decode()  # (JSON is YAML)
     backends = "".join(f'  - {{name: r{i}, url: "{u}"}}\n' for i, u in enumerate(replicas))
     return (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n{backends}"
             f"routing: {routing}\nredis: {{url: \"{redis_url}\"}}\n")
 
 
-def check_policy(policy: str, tmp: Path, redis_url: str) -> str | None:
+def check_policy(policy: str, tmp: Path, redis_url: str, profiles: dict | None = None) -> str | None:
     """None if `python -m proxy check` accepts a config with this policy, else its complaint."""
     cfg = tmp / f"check-{policy}.yaml"
-    cfg.write_text(proxy_config(free_port(), [f"http://{HOST}:1", f"http://{HOST}:2"], policy, redis_url))
+    cfg.write_text(proxy_config(free_port(), [f"http://{HOST}:1", f"http://{HOST}:2"], policy, redis_url, profiles))
     r = subprocess.run([sys.executable, "-m", "proxy", "check", "--config", str(cfg)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     return None if r.returncode == 0 else (r.stderr or r.stdout).strip()

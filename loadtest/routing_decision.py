@@ -24,12 +24,13 @@ import time
 
 import orjson
 
-from proxy.config import AffinityConfig, BackendConfig
+from proxy.config import AffinityConfig, BackendConfig, RoutingConfig
 from proxy.parse import CHAT, parse_request
 from proxy.routing.affinity import PrefixAffinity
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
-from proxy.routing.policies import LeastLoaded
+from proxy.routing.plugins import Env
+from proxy.routing.profiles import build
 from proxy.shared import SharedState
 
 MODEL = "bench-model"
@@ -69,7 +70,8 @@ def mirrored_state() -> SharedState:
 
 def make(policy: str, backends: int):
     if policy == "least_loaded":
-        return LeastLoaded()
+        config = RoutingConfig(policy="least_loaded")
+        return build(config, Env(config)).policy
     return PrefixAffinity(AffinityConfig(), mirrored_state() if policy == "prefix_affinity+mirror" else None)
 
 

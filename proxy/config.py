@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class Strict(BaseModel):
@@ -316,9 +316,112 @@ class AffinityConfig(Strict):
     )
 
 
+class PluginSpec(Strict):
+    """One plugin of a routing profile: its registered name and parameters (a bare name is fine)."""
+
+    kind: ClassVar[str] = ""
+    type: str = Field(min_length=1, description="the registered plugin name (see the routing plugins table)")
+    params: dict = Field({}, description="the plugin's parameters (see the routing plugins table)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_name(cls, value: object) -> object:
+        return {"type": value} if isinstance(value, str) else value
+
+    @field_validator("type")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from proxy.routing.plugins import lookup  # (the plugins import this module)
+
+        lookup(cls.kind, value)
+        return value
+
+    @model_validator(mode="after")
+    def _params(self) -> "PluginSpec":
+        from proxy.routing.plugins import lookup
+
+        plugin = lookup(self.kind, self.type)
+        try:
+            plugin.Params.model_validate(self.params)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
+            raise ValueError(f"params.{where}: {msg}") from None
+        return self
+
+
+class FilterSpec(PluginSpec):
+    """A filter: keeps the replicas that may serve the request."""
+
+    kind: ClassVar[str] = "filter"
+
+
+class ScorerSpec(PluginSpec):
+    """A scorer: rates each replica in [0, 1]; the picker compares the weighted sums."""
+
+    kind: ClassVar[str] = "scorer"
+    weight: float = Field(1.0, ge=0, description="what this scorer's [0, 1] opinion counts for in the sum")
+
+
+class PickerSpec(PluginSpec):
+    """The picker: one replica from the weighted sums."""
+
+    kind: ClassVar[str] = "picker"
+
+
+class HookSpec(PluginSpec):
+    """A hook around the pick (before it, after it, after the response)."""
+
+    kind: ClassVar[str] = "hook"
+
+
+STANDARD_FILTERS = ("available", "trusted_multimodal", "untried", "free_slot")
+
+
+class ProfileConfig(Strict):
+    """A routing profile (proxy/routing/): filters in order, weighted scorers, a picker, hooks."""
+
+    filters: list[FilterSpec] = Field(
+        default_factory=lambda: [FilterSpec(type=n) for n in STANDARD_FILTERS],
+        description="in order; leaving one out turns that check off",
+    )
+    scorers: list[ScorerSpec] = Field([], description="summed with their weights; none: the picker alone decides")
+    picker: PickerSpec = Field(default_factory=lambda: PickerSpec(type="max_score"))
+    hooks: list[HookSpec] = Field(
+        default_factory=lambda: [HookSpec(type="lora")], description="`lora`: adapter routing and on-demand loads"
+    )
+
+
+BUILTIN_POLICIES = ("prefix_affinity", "least_loaded", "round_robin")
+
+
 class RoutingConfig(Strict):
-    policy: Literal["prefix_affinity", "least_loaded", "round_robin"] = "prefix_affinity"
+    profiles: dict[str, ProfileConfig] = Field(
+        {}, description="routing profiles by name, made of registered plugins; `policy` may name one"
+    )
+    policy: str = Field(
+        "prefix_affinity", description=f"the routing profile: a built-in one ({', '.join(BUILTIN_POLICIES)}) or "
+        "a name under `profiles`",
+    )
     prefix_affinity: AffinityConfig = AffinityConfig()
+
+    @field_validator("profiles")
+    @classmethod
+    def _not_builtin(cls, value: dict) -> dict:
+        for name in value:
+            if name in BUILTIN_POLICIES:
+                raise ValueError(f"{name!r} is a built-in profile's name; give yours another")
+        return value
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, value: str, info: ValidationInfo) -> str:
+        profiles = info.data.get("profiles")
+        if profiles is not None and value not in BUILTIN_POLICIES and value not in profiles:
+            raise ValueError(f"unknown policy {value!r}: give one of {', '.join(BUILTIN_POLICIES)} or a name "
+                             f"under routing.profiles ({', '.join(profiles) or 'none given'})")
+        return value
 
 
 class LoraConfig(Strict):

@@ -17,6 +17,7 @@ from proxy.forward import Progress, StreamBroken, UpstreamFailure
 from proxy.parse import ParsedRequest, parse_request
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
+from proxy.routing.scheduler import Lease
 from proxy.runtime import Runtime
 from proxy.watchdog import poisoned
 
@@ -66,14 +67,6 @@ def _too_large(limit: int) -> ProxyError:
     )
 
 
-def no_backend(route: Route) -> ProxyError:
-    return ProxyError(
-        503, f"No healthy replica can serve `{route.name}` right now; retry shortly.",
-        code="no_healthy_backend", type="service_unavailable",
-        headers=[(b"retry-after", b"1"), (b"retry-after-ms", b"1000")],
-    )
-
-
 class DisconnectWatch:
     """Cancels the request's task when the client goes away, so the upstream request is closed
     (vLLM then aborts it) whether we are still waiting for the first byte or mid-stream. (Our own
@@ -120,8 +113,8 @@ class Spec:
         raise NotImplementedError
 
     async def choose(self, rt: Runtime, route: Route, parsed: ParsedRequest, trusted_only: bool = False,
-                     exclude: list[Backend] | None = None) -> tuple[Backend, str]:
-        return await choose(rt, route, parsed, trusted_only, exclude)
+                     exclude: list[Backend] | None = None) -> Lease:
+        return await rt.scheduler.schedule(route, parsed, trusted_only, exclude)
 
     def rewrite(self, parsed: ParsedRequest, body: bytes, route: Route) -> bytes:
         parsed.data["model"] = route.upstream_id
@@ -161,7 +154,11 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         trusted_only = changed = False
         if parsed.multimodal:
             trusted_only, changed = await rt.multimodal.check(parsed, route)
-        backend, reason = await (choose if spec is None else spec.choose)(rt, route, parsed, trusted_only)
+        if route.rewrite or changed:
+            body = (spec or _JSON_BODY).rewrite(parsed, body, route)
+        # counted in flight from here: released by `with lease` below (no await in between)
+        lease = await (rt.scheduler.schedule(route, parsed, trusted_only) if spec is None else
+                       spec.choose(rt, route, parsed, trusted_only))
     except ClientGone:
         return
     except asyncio.CancelledError:
@@ -177,15 +174,15 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         _unrouted(rt, request_id, endpoint, route, str(err.status), started, key_name(scope))
         return
 
-    if route.rewrite or changed:
-        body = (spec or _JSON_BODY).rewrite(parsed, body, route)
     rt.retries.deposit()
     tried: list[Backend] = []
     try:
         while True:
-            status, progress, series, failure = await _attempt(
-                rt, route, endpoint, body, rid, send, id_header, backend, reason, started, watch, spec
-            )
+            with lease:
+                status, progress, series, failure = await _attempt(
+                    rt, route, endpoint, body, rid, send, id_header, lease, started, watch, spec
+                )
+            backend, reason = lease.backend, lease.reason
             if failure is None:
                 break
             tried.append(backend)
@@ -193,7 +190,8 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
                      and rt.retries.withdraw())
             if retry:
                 try:
-                    backend, reason = await (choose if spec is None else spec.choose)(rt, route, parsed, trusted_only, tried)
+                    lease = await (rt.scheduler.schedule(route, parsed, trusted_only, tried) if spec is None else
+                                   spec.choose(rt, route, parsed, trusted_only, tried))
                 except ProxyError:
                     retry = False
                 except asyncio.CancelledError:
@@ -205,7 +203,7 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
                 await send_error(send, failure, _response_headers(rt, id_header, backend, reason))
                 break
             metrics.child(metrics.retries, route.name, failure.kind).inc()
-            reason = "retry"
+            lease.reason = "retry"
     finally:
         watch.stop()
     # metrics and the access log (proxy/metrics.py, proxy/accesslog.py)
@@ -249,16 +247,15 @@ def refused(rt: Runtime, scope: Scope, endpoint: str, status: int) -> None:
 
 async def _attempt(
     rt: Runtime, route: Route, endpoint: str, body: bytes, rid: bytes, send: Send, id_header: list,
-    backend: Backend, reason: str, started: float, watch: "DisconnectWatch", spec: Spec | None = None,
+    lease: Lease, started: float, watch: "DisconnectWatch", spec: Spec | None = None,
 ) -> tuple[str, Progress, object, UpstreamFailure | None]:
-    """One exchange with one replica. Returns (status, progress, series, failure): `failure` is
-    set only when nothing reached the client and another replica may be tried."""
+    """One exchange with the leased replica. Returns (status, progress, series, failure): `failure`
+    is set only when nothing reached the client and another replica may be tried."""
     metrics = rt.metrics
+    backend, reason = lease.backend, lease.reason
     metrics.child(metrics.decisions, rt.policy.name, reason).inc()
     status = "502"
     failure = None
-    backend.in_flight += 1
-    if route.adapter is not None: rt.lora.acquire(backend, route.adapter)  # noqa: E701 (LoRA in-flight, proxy/lora.py)
     in_flight = metrics.child(metrics.in_flight, backend.name)
     in_flight.inc()
     series = metrics.series(route.name, backend.name, endpoint)
@@ -291,10 +288,8 @@ async def _attempt(
         if broken.failure.kind != "down":
             rt.outliers.failure(backend)
     finally:
-        backend.in_flight -= 1
-        if route.adapter is not None: rt.lora.release(backend, route.adapter)  # noqa: E701
         in_flight.dec()
-        rt.admission.released()
+        lease.status = status
     return status, progress, series, failure
 
 
@@ -302,31 +297,6 @@ def _response_headers(rt: Runtime, id_header: list, backend: Backend, reason: st
     if not rt.explain:
         return id_header
     return [*id_header, (b"x-vllm-proxy-backend", backend.name.encode()), (b"x-vllm-proxy-route", reason.encode())]
-
-
-async def choose(
-    rt: Runtime, route: Route, parsed: ParsedRequest, trusted_only: bool = False, exclude: list[Backend] | None = None
-) -> tuple[Backend, str]:
-    """The replica for this request: healthy, not ejected, not already tried, able to serve the
-    route (and multimodal input, if asked), with a free slot — waiting in the admission queue
-    while every such replica is at its limit."""
-    while True:
-        now = time.monotonic()
-        candidates = [
-            b for b in route.backends
-            if b.healthy and b.ejected_until <= now and (not trusted_only or b.config.trust_request_mm_kwargs)
-            and (exclude is None or b not in exclude)
-        ]
-        free = [b for b in candidates if b.in_flight < b.limit]
-        if free or not candidates:
-            break
-        await rt.admission.wait()
-    candidates = free
-    if route.adapter is not None:  # only replicas holding the adapter; loads it on demand (proxy/lora.py)
-        return await rt.lora.choose(rt.policy, route, candidates, parsed)
-    if not candidates:
-        raise no_backend(route)
-    return await rt.policy.pick(candidates, parsed, route)
 
 
 _ID_PREFIX = os.urandom(6).hex()  # per process: ids of several workers and restarts never collide

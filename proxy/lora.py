@@ -1,10 +1,11 @@
 """LoRA adapter management: route adapter requests only to replicas that hold the adapter, load
 adapters on demand, evict the least recently used idle one, replicate hot adapters.
 
-- Routing: an adapter request's candidates are the healthy replicas whose adapter set (from
-  discovery, or from this manager's own loads/unloads) holds the adapter; the routing policy
-  picks among them, and the pick is re-checked against the adapter set in the same event-loop
-  step in which `handle()` counts the request in flight, so an eviction can never slip between.
+- Routing (the `lora` hook, proxy/routing/lora_hook.py): an adapter request's candidates are the
+  healthy replicas whose adapter set (from discovery, or from this manager's own loads/unloads)
+  holds the adapter; the routing profile picks among them, and the pick is re-checked against the
+  adapter set in the same event-loop step in which the scheduler's lease counts the request in
+  flight, so an eviction can never slip between.
 - On demand: a deployment with `adapter_path` that no healthy replica holds is loaded with
   `POST /v1/load_lora_adapter` on the best replica (fewest adapters in use, then no eviction
   needed, then least load), once however many requests wait for it (single flight).
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections import Counter as Tally
 from hashlib import blake2b
 from typing import Callable, Sequence
@@ -37,6 +37,7 @@ from proxy.errors import ProxyError
 from proxy.routing.affinity import rendezvous_weight
 from proxy.routing.backends import Backend, read_capped
 from proxy.routing.catalog import Route
+from proxy.routing.clock import SYSTEM, Clock
 from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.lora")
@@ -90,8 +91,10 @@ class LoraManager:
         rebuild: Callable[[], None],
         ops=None,
         load: Callable[[Backend], int] | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.cfg = config.lora
+        self.clock = clock
         self.epsilon = config.routing.prefix_affinity.epsilon
         self.backends = backends
         self._session = session
@@ -109,41 +112,33 @@ class LoraManager:
         self._tasks = Supervisor("lora")  # a child of the Runtime's, from start()
         self.ops = ops  # the vllm_proxy_lora_operations counter (proxy/metrics.py), if any
 
-    # --- hot path ----------------------------------------------------------------------------
+    # --- hot path (the `lora` hook of the routing pipeline, proxy/routing/lora_hook.py) ----------
 
-    async def choose(self, policy, route: Route, candidates: Sequence[Backend], parsed) -> tuple[Backend, str]:
-        """Pick a replica holding `route.adapter` among `candidates`, loading it first if needed."""
+    async def holders(self, route: Route, candidates: Sequence[Backend]) -> Sequence[Backend]:
+        """The candidates holding `route.adapter`; none: the replica it was just loaded on."""
         adapter = route.adapter
+        have = [b for b in candidates if adapter in b.adapters]
         state = self.managed.get(adapter)
-        for _ in range(4):
-            have = [b for b in candidates if adapter in b.adapters]
-            if not have:
-                if state is None:
-                    raise _unavailable(
-                        f"No healthy replica has LoRA adapter `{adapter}` (model `{route.name}`) loaded; retry shortly.",
-                        "no_healthy_backend",
-                    )
-                have = [await self._ensure(state)]
-            elif state is not None and self.cfg.replicate and state.growing is None:
-                self._check_hot(state, have)
-            backend, reason = await policy.pick(have, parsed, route)
-            # no await between this check and handle() counting the request in flight
-            if adapter in backend.adapters and backend.healthy:
-                return backend, reason
-            candidates = [b for b in have if b is not backend]
-        raise _unavailable(f"LoRA adapter `{adapter}` keeps moving between replicas; retry shortly.", "adapter_unavailable")
+        if not have:
+            if state is None:
+                raise _unavailable(
+                    f"No healthy replica has LoRA adapter `{adapter}` (model `{route.name}`) loaded; retry shortly.",
+                    "no_healthy_backend",
+                )
+            return [await self._ensure(state)]
+        if state is not None and self.cfg.replicate and state.growing is None:
+            self._check_hot(state, have)
+        return have
 
-    def acquire(self, backend: Backend, adapter: str) -> None:
-        counts = backend.adapter_in_flight
-        counts[adapter] = counts.get(adapter, 0) + 1
-        backend.adapter_used[adapter] = time.monotonic()
+    @staticmethod
+    def still_holds(backend: Backend, adapter: str) -> bool:
+        """Checked after the pick, in the event-loop step that counts the request in flight, so an
+        eviction can never slip between."""
+        return adapter in backend.adapters and backend.healthy
 
-    def release(self, backend: Backend, adapter: str) -> None:
-        counts = backend.adapter_in_flight
-        left = counts.get(adapter, 1) - 1
-        counts[adapter] = left
-        backend.adapter_used[adapter] = time.monotonic()
-        if left <= 0 and self._waiters:
+    def released(self, backend: Backend, adapter: str) -> None:
+        """A request for `adapter` on `backend` ended (the lease counted it down)."""
+        if backend.adapter_in_flight.get(adapter, 0) <= 0 and self._waiters:
             self._freed.set()
 
     # --- placement ---------------------------------------------------------------------------
@@ -160,7 +155,7 @@ class LoraManager:
         return await asyncio.shield(task)
 
     async def _place(self, state: ManagedAdapter) -> Backend:
-        deadline = time.monotonic() + self.cfg.load_timeout_s
+        deadline = self.clock.monotonic() + self.cfg.load_timeout_s
         while True:
             for b in self.backends:  # loaded meanwhile (discovery, replication, another route)
                 if b.healthy and state.name in b.adapters and state.model in b.models:
@@ -169,14 +164,14 @@ class LoraManager:
             if target is not None:
                 await self._load(target, state, victim, "on_demand", deadline)
                 return target
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.clock.monotonic()
             if why != "full" or remaining <= 0:
                 raise self._cannot_place(state, why)
             await self._wait_freed(min(remaining, 0.25))
 
     def _cannot_place(self, state: ManagedAdapter, why: str) -> ProxyError:
         if why == "backoff":
-            now = time.monotonic()
+            now = self.clock.monotonic()
             mine = [(v, k[0]) for k, v in self._backoff.items() if k[1] == state.name and v[0] > now]
             (until, _, cause), backend = min(mine)
             return _unavailable(
@@ -196,7 +191,7 @@ class LoraManager:
 
     def _target(self, state: ManagedAdapter, redundant_only: bool = False) -> tuple[Backend | None, str | None, str]:
         """The best replica to load `state` on, the adapter to evict there first, or why none."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         limit = self.cfg.max_adapters_per_replica
         best = best_key = victim_of_best = None
         why = "none"
@@ -246,14 +241,14 @@ class LoraManager:
         try:
             if victim is not None:
                 await self._unload(b, victim, "evict")
-            timeout = self.cfg.load_timeout_s if deadline is None else max(deadline - time.monotonic(), 0.1)
+            timeout = self.cfg.load_timeout_s if deadline is None else max(deadline - self.clock.monotonic(), 0.1)
             status, body = await self._post(b, "/v1/load_lora_adapter", {"lora_name": state.name, "lora_path": state.path}, timeout)
             cause = _cause(status, body) if status else body.decode()
             if status != 200 and not (status == 400 and "already" in cause):
                 self._count(state.name, b, "load", reason, "error")
                 _, failures, _ = self._backoff.get(key, (0.0, 0, ""))
                 pause = min(self.cfg.backoff_s * 2 ** failures, self.cfg.backoff_max_s)
-                self._backoff[key] = (time.monotonic() + pause, failures + 1, cause)
+                self._backoff[key] = (self.clock.monotonic() + pause, failures + 1, cause)
                 log.warning("loading LoRA adapter %s on %s failed: %s (backoff %.1fs)", state.name, b.name, cause, pause)
                 raise _unavailable(
                     f"Could not load LoRA adapter `{state.name}` on replica {b.name}: {cause}", "adapter_load_failed"
@@ -261,7 +256,7 @@ class LoraManager:
             self._backoff.pop(key, None)
             self._count(state.name, b, "load", reason, "ok")
             log.info("loaded LoRA adapter %s on %s (%s)", state.name, b.name, reason)
-            b.adapter_used[state.name] = time.monotonic()
+            b.adapter_used[state.name] = self.clock.monotonic()
             b.adapters = {**b.adapters, state.name: state.model}
             self._rebuild()
         finally:
@@ -359,7 +354,7 @@ class LoraManager:
             state.growing = None
 
     def _rebalance(self) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for state in self.managed.values():
             reps = self.replicas(state.name)
             if len(reps) < state.min_replicas and state.growing is None:

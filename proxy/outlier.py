@@ -8,22 +8,24 @@ a slow fleet into an empty one.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, Iterable
 
 from proxy.config import OutlierConfig
 from proxy.routing.backends import Backend
+from proxy.routing.clock import SYSTEM, Clock
+from proxy.routing.filters import Available
+from proxy.routing.plugins import Env, NoParams
 
 log = logging.getLogger("vllm_proxy.outlier")
 
 
-def available(backend: Backend, now: float) -> bool:
-    return backend.healthy and backend.ejected_until <= now
-
-
 class Outliers:
-    def __init__(self, config: OutlierConfig, peers: Callable[[Backend], Iterable[tuple[Backend, ...]]]) -> None:
+    def __init__(self, config: OutlierConfig, peers: Callable[[Backend], Iterable[tuple[Backend, ...]]],
+                 clock: Clock = SYSTEM) -> None:
         self.config = config
+        self.clock = clock
+        # healthy and not ejected (the routing filter: one definition of "in rotation")
+        self.available = Available(NoParams(), Env(None, clock))
         self.peers = peers  # the replica sets (one per deployment) that `backend` belongs to
 
     def success(self, backend: Backend) -> None:
@@ -35,11 +37,11 @@ class Outliers:
         backend.errors_in_row += 1
         if backend.errors_in_row < self.config.consecutive_failures:
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if backend.ejected_until > now:
             return
         for group in self.peers(backend):
-            if not any(b is not backend and available(b, now) for b in group):
+            if not any(b is not backend for b in self.available.apply(group)):
                 return  # the last replica of some deployment: keep it
         seconds = min(self.config.base_ejection_s * 2 ** backend.ejections, self.config.max_ejection_s)
         backend.ejections += 1

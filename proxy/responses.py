@@ -27,6 +27,7 @@ from proxy.inference import Spec
 from proxy.parse import CHAT, MEDIA_PARTS, MediaPart, ParsedRequest, _json_type, decode, media_part, require_model
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
+from proxy.routing.scheduler import Lease
 from proxy.runtime import Runtime
 
 CREATE = "/v1/responses"
@@ -128,15 +129,17 @@ class Create(Spec):
         return ParsedRequest(CREATE, data, model, stream, media)
 
     async def choose(self, rt: Runtime, route: Route, parsed: ParsedRequest, trusted_only: bool = False,
-                     exclude: list[Backend] | None = None) -> tuple[Backend, str]:
+                     exclude: list[Backend] | None = None) -> Lease:
         self.deployment = route.name
         if self.previous is None:
-            self.backend, reason = await inference.choose(rt, route, self.view, trusted_only, exclude)
-            return self.backend, reason
-        if exclude:
-            raise ProxyError(502, "The replica holding the conversation failed.", code="upstream_failed")
-        self.backend, _ = await owner_of(rt, self.previous, "previous_response_id", self.client)
-        return self.backend, "owner"
+            lease = await rt.scheduler.schedule(route, self.view, trusted_only, exclude)
+        else:
+            if exclude:
+                raise ProxyError(502, "The replica holding the conversation failed.", code="upstream_failed")
+            backend, _ = await owner_of(rt, self.previous, "previous_response_id", self.client)
+            lease = rt.scheduler.lease(route, backend, "owner")
+        self.backend = lease.backend
+        return lease
 
     def watch(self, rt: Runtime, send: Send) -> Send:
         """`send`, recording the id of the response the replica creates as the first bytes pass."""

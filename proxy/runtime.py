@@ -21,7 +21,10 @@ from proxy.outlier import Outliers
 from proxy.retry import RetryBudget
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route, build_catalog
-from proxy.routing.policies import make_policy
+from proxy.routing.clock import SYSTEM, Clock
+from proxy.routing.plugins import Env
+from proxy.routing.profiles import build as build_profile
+from proxy.routing.scheduler import Scheduler
 from proxy.scrape import BackendScraper
 from proxy.shared import SharedState
 from proxy.tasks import Supervisor
@@ -35,8 +38,9 @@ class Runtime:
     over the process-wide parts (metrics, upstream client) and every replica whose settings did
     not change (with its health, discovered models and in-flight counts)."""
 
-    def __init__(self, config: ProxyConfig, previous: "Runtime | None" = None) -> None:
+    def __init__(self, config: ProxyConfig, previous: "Runtime | None" = None, clock: Clock = SYSTEM) -> None:
         self.config = config
+        self.clock = clock
         # background tasks (proxy/tasks.py): the process's, and this config's (stopped with it)
         self.supervisor = previous.supervisor if previous else Supervisor("process")
         self.tasks = self.supervisor.child("runtime")
@@ -47,6 +51,12 @@ class Runtime:
         kept = {b.config.model_dump_json(): b for b in previous.backends} if previous else {}
         self.backends = [kept.get(b.model_dump_json()) or Backend(b) for b in config.backends]
         self.shared: SharedState | None = None
+        # the routing profile's learned state (placements, rates, rotations) outlives a reload that
+        # leaves `routing` as it was; with Redis the shared table holds it already, and a new
+        # profile reads it back (so only a Redis-less profile is handed over)
+        keep = (previous is not None and previous.config.routing == config.routing
+                and config.redis is None and previous.config.redis is None)
+        self.routing_kept = keep
         if config.redis is not None:
             self.shared = SharedState(
                 config.redis.url,
@@ -59,7 +69,8 @@ class Runtime:
             )
         # optional OpenTelemetry: wraps the policy and the upstream client (proxy/tracing.py)
         self.tracing = Tracing(config.tracing) if config.tracing.enabled else None
-        self.policy = make_policy(config.routing, self.shared)
+        self.profile = previous.profile if keep else build_profile(config.routing, Env(config.routing, clock, self.shared))
+        self.policy = self.profile.policy
         if self.tracing is not None:
             self.policy = self.tracing.policy(self.policy)
         self.catalog: dict[str, Route] = {}
@@ -95,12 +106,15 @@ class Runtime:
             self.scraper = BackendScraper(lambda: self.upstream.session, self.backends, config.discovery, self.metrics)
         self.lora = LoraManager(
             config, self.backends, lambda: self.upstream.session, self.rebuild_catalog,
-            self.metrics.lora_ops, getattr(self.policy, "load", None),
+            self.metrics.lora_ops, getattr(self.profile.policy, "load", None), clock,
         )
+        self.profile.env.lora = self.lora
         self.auth = Authenticator(config.auth) if config.auth.keys else None
-        self.outliers = Outliers(config.server.outlier, self._groups_of)
+        self.outliers = Outliers(config.server.outlier, self._groups_of, clock)
         self.retries = RetryBudget(config.server.retries)
         self.admission = Admission(config.server.max_queue, config.server.queue_timeout_s)
+        self.scheduler = Scheduler(self.profile, self.admission, clock)
+        self.scheduler.policy = self.policy  # (traced, if tracing is on)
         self.max_body_bytes = config.server.max_body_bytes
         self.explain = config.server.explain_headers
 

@@ -42,23 +42,60 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, 
         path = f"{prefix}{name}"
         nested = _model_of(field.annotation)
         is_list = typing.get_origin(field.annotation) is list or "list[" in repr(field.annotation)
+        is_dict = typing.get_origin(field.annotation) is dict
         if nested is not None:
-            out.append((path + ("[]" if is_list else ""), nested.__name__, "", " ".join((nested.__doc__ or "").split("\n\n")[0].split())))
-            out.extend(rows(nested, path + ("[]." if is_list else ".")))
+            key = path + ("[]" if is_list else ".<name>" if is_dict else "")
+            doc = " ".join((nested.__doc__ or "").split("\n\n")[0].split())
+            if is_dict and field.description:
+                doc = field.description
+            out.append((key, nested.__name__, _default(field) if is_list else "", doc))
+            out.extend(rows(nested, key + "."))
             continue
-        if field.is_required():
-            default = "required"
-        elif field.default_factory is not None:
-            default = repr(field.default_factory())
-        else:
-            default = repr(field.default).replace("|", "\\|")
-        out.append((path, _type_name(field.annotation), default, field.description or ""))
+        out.append((path, _type_name(field.annotation), _default(field), field.description or ""))
+    return out
+
+
+def _default(field) -> str:
+    if field.is_required():
+        return "required"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    return _show(value).replace("|", "\\|")
+
+
+def _show(value: object) -> str:
+    """A plugin spec by its name (the routing profiles' defaults), anything else by its repr."""
+    if isinstance(value, list) and value and all(isinstance(v, BaseModel) and hasattr(v, "type") for v in value):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    if isinstance(value, BaseModel) and hasattr(value, "type"):
+        return repr(getattr(value, "type"))
+    return repr(value)
+
+
+def plugin_rows() -> list[tuple[str, str, str, str]]:
+    """(kind, name, parameters, what it does) of every registered routing plugin."""
+    from proxy.routing.plugins import KINDS, REGISTRY, lookup
+
+    lookup("filter", "available")  # registers the built-ins
+    out = []
+    for kind in KINDS:
+        for (k, name), plugin in sorted(REGISTRY.items()):
+            if k != kind:
+                continue
+            if plugin.section is not None:
+                params = f"those of `routing.{plugin.section}` (as defaults)"
+            else:
+                params = "; ".join(f"`{p}` ({t}, {d}): {m}" for p, t, d, m in rows(plugin.Params)) or "none"
+            doc = " ".join((plugin.__doc__ or "").split("\n\n")[0].split())
+            out.append((kind, name, params.replace("|", "\\|"), doc))
     return out
 
 
 def markdown() -> str:
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     lines += [f"| `{p}` | {t} | {d} | {m} |" for p, t, d, m in rows(ProxyConfig)]
+    lines += ["", "Routing plugins, for `routing.profiles` (proxy/routing/):", "",
+              "| kind | name | params | what it does |", "|---|---|---|---|"]
+    lines += [f"| {k} | `{n}` | {p} | {m} |" for k, n, p, m in plugin_rows()]
     return "\n".join(lines)
 
 

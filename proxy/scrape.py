@@ -150,8 +150,10 @@ class BackendScraper:
         except Exception as exc:  # a backend without /metrics, or down: its series go away
             log.debug("cannot scrape %s/metrics: %s", backend.url, exc or type(exc).__name__)
             self._forget(backend.name)
+            backend.waiting = backend.kv_usage = None
             return
         m, name = self.metrics, backend.name
+        backend.waiting, backend.kv_usage = reading.waiting, reading.kv_usage  # (routing: proxy/routing/scorers.py)
         if reading.cache_tokens:
             backend.cache_tokens = reading.cache_tokens
         prev = self._previous.setdefault(name, _Previous())

@@ -35,6 +35,7 @@ class Backend:
         "name", "salt", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "headers", "api_key",
         "adapter_in_flight", "adapter_used", "adapter_epoch", "adapter_ops",
         "origin", "heads", "errors_in_row", "ejections", "ejected_until", "limit", "cache_tokens",
+        "waiting", "kv_usage",
     )
 
     def __init__(self, config: BackendConfig) -> None:
@@ -70,6 +71,10 @@ class Backend:
         self.limit = config.max_in_flight or 1 << 30
         # prefix-cache size (num_gpu_blocks x block_size) from its /metrics; None until scraped
         self.cache_tokens: int | None = None
+        # its scheduler's queue and KV-cache usage (0..1) from its /metrics (proxy/scrape.py), for the
+        # queue_depth and kv_cache scorers; None until scraped, and again when it cannot be
+        self.waiting: float | None = None
+        self.kv_usage: float | None = None
 
     async def fetch(self, client: httpx.AsyncClient, path: str, timeout_s: float) -> bytes:
         """GET a control-plane path (`/v1/models`, `/metrics`) with the replica's key, within

@@ -17,6 +17,7 @@ from proxy.routing.affinity import PrefixAffinity
 from proxy.routing.backends import Backend
 from proxy.routing.packing import Layout, Packing
 from proxy.routing.catalog import Route
+from proxy.routing.clock import ManualClock
 from tests.conftest import MODEL, Servers, eventually, sim_of
 
 import orjson
@@ -566,9 +567,10 @@ def test_the_packing_repair_runs_in_the_policys_own_task_not_in_pick() -> None:
 
 
 def chats(policy: PrefixAffinity, bs: list[Backend], tenants: list[str], weights: list[float], count: int,
-          seed: int) -> list[tuple[str, str]]:
+          seed: int, clock: ManualClock | None = None) -> list[tuple[str, str]]:
     """Multi-turn chats: a request continues one of its tenant's open conversations (3 in 4) or
-    opens one; conversations end after 5 turns. (replica, reason) of each."""
+    opens one; conversations end after 5 turns; `clock` (the policy's) advances 10 ms a request.
+    (replica, reason) of each."""
     import random
 
     rng = random.Random(seed)
@@ -586,6 +588,8 @@ def chats(policy: PrefixAffinity, bs: list[Backend], tenants: list[str], weights
             turns = (f"question {seed} {k} " * 20,)
             mine.append(turns)
         out.append(pick(policy, bs, chat_request(who, *turns)))
+        if clock is not None:
+            clock.advance(0.01)
     return out
 
 
@@ -597,10 +601,11 @@ def test_a_new_population_of_chats_never_overloads_a_replica() -> None:
         worst = 0.0
         for seed in range(4):
             bs = backends(4)
-            policy = PrefixAffinity(AffinityConfig(**knobs))
-            chats(policy, bs, [f"tenant a{i} " * 40 for i in range(8)], [1.0] * 8, 800, seed)
+            clock = ManualClock()  # decisions must not depend on how fast a loaded machine runs
+            policy = PrefixAffinity(AffinityConfig(**knobs), timer=clock)
+            chats(policy, bs, [f"tenant a{i} " * 40 for i in range(8)], [1.0] * 8, 800, seed, clock)
             served = Counter(name for name, _ in chats(
-                policy, bs, [f"tenant b{i} " * 40 for i in range(6)], [8, 4, 2, 1, 1, 1], 800, seed + 10))
+                policy, bs, [f"tenant b{i} " * 40 for i in range(6)], [8, 4, 2, 1, 1, 1], 800, seed + 10, clock))
             counts = [served[b.name] for b in bs]
             worst = max(worst, max(counts) / (sum(counts) / len(counts)))
         return worst

@@ -154,8 +154,9 @@ class Runtime:
             self.scraper.start(tasks)
         if self.shared is not None:
             self.shared.start(tasks)
-        if hasattr(self.policy, "serve"):  # the policy's background work (prefix_affinity's packing repair)
-            tasks.spawn(self.policy.serve(), "packing repair")
+        policy = self.profile.policy  # (not the tracing wrapper)
+        if hasattr(policy, "serve"):  # the policy's background work (prefix_affinity's packing repair)
+            tasks.spawn(policy.serve(), "packing repair")
         log.info(
             "serving %d deployments over %d backends (%d healthy)",
             len(self.catalog), len(self.backends), sum(b.healthy for b in self.backends),

@@ -68,7 +68,7 @@ async def test_a_runtime_stops_every_task_it_started_and_a_reload_keeps_the_proc
     first = Runtime(config)
     await first.start()
     started = first.tasks.running()
-    assert {"discovery round", "backend scrape round", "hung-replica check"} <= set(started)
+    assert {"discovery round", "backend scrape round", "hung-replica check", "packing repair"} <= set(started)
     assert ("LoRA rebalance" in started) == managed
     process_task = first.supervisor.spawn(asyncio.Event().wait(), "process-wide")
     second = Runtime(config, previous=first)

@@ -543,8 +543,8 @@ def test_the_clock_counts_every_proxys_requests() -> None:
 
 
 def test_the_packing_repair_runs_in_the_policys_own_task_not_in_pick() -> None:
-    """`pick` only marks the packing repair due; the task `start` runs (the runtime starts it)
-    applies it, and `stop` ends that task."""
+    """`pick` only marks the packing repair due; the task running `serve` (the runtime's
+    supervisor starts it) applies it."""
     async def scenario() -> None:
         policy = PrefixAffinity(AffinityConfig())
         bs = backends(4)
@@ -557,10 +557,11 @@ def test_the_packing_repair_runs_in_the_policys_own_task_not_in_pick() -> None:
         tasks = len(asyncio.all_tasks())
         await policy.pick(bs, chat_request(tenant(1), "x"), route_for(bs))
         assert len(asyncio.all_tasks()) == tasks and policy.repair.due is not None  # due; nothing started
-        policy.start()
+        task = asyncio.get_running_loop().create_task(policy.serve())
         await asyncio.wait_for(ran.wait(), 10)
         assert policy.repair.due is None
-        await policy.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         assert len(asyncio.all_tasks()) == tasks
 
     asyncio.run(scenario())

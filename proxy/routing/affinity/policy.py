@@ -1,6 +1,6 @@
 """`PrefixAffinity`: the `prefix_affinity` policy object, wiring its parts for one request
 (design: proxy/routing/affinity/__init__.py). The packing repair runs in a background task that
-the runtime starts and stops (`start`/`stop`), never from inside `pick`."""
+the runtime's task supervisor runs (`serve`), never from inside `pick`."""
 from __future__ import annotations
 
 import logging
@@ -56,15 +56,9 @@ class PrefixAffinity:
             shared.local_tenants = lambda wall: self.tenants.requests(self.view.clock)
 
     # -- lifecycle: the packing repair's background task ---------------------------------------------
-    def start(self) -> None:
-        """Start the background task that runs the packing repair requests mark due."""
-        self.repair.start()
-
-    async def stop(self) -> None:
-        await self.repair.stop()
-
     async def serve(self) -> None:
-        """That task's body, for a caller that runs its own tasks instead of `start`/`stop`."""
+        """Run the packing repairs requests mark due, until cancelled (the runtime's supervisor
+        runs it as a task)."""
         await self.repair.serve()
 
     async def maintain(self) -> None:

@@ -1,8 +1,8 @@
 """The packing repair of `prefix_affinity`, run in the background.
 
 Every `rebalance_every_requests` (sooner after a spill or a fleet change) a request marks the
-repair due; `run_due` (the background loop that `start` runs, or a caller that wants it now, like
-the offline benchmarks) applies up to two changes planned by proxy/routing/packing.py. With Redis
+repair due; `run_due` (from `serve`, the loop the runtime's task supervisor runs, or from a
+caller that wants it now, like the offline benchmarks) applies up to two changes planned by proxy/routing/packing.py. With Redis
 one proxy at a time plans (a lease it renews, so a single estimate of the tenants' shares decides
 and proxies never undo each other's moves) and writes by compare-and-set on the shared table.
 """
@@ -39,7 +39,6 @@ class Repair:
         self.due: tuple[list[Backend], float] | None = None  # (candidates, clock) of the repair to run
         self.running = False
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
         self._wall = wall
 
     def check(self, candidates: Sequence[Backend], now: float) -> None:
@@ -65,19 +64,8 @@ class Repair:
         finally:
             self.running = False
 
-    def start(self) -> None:
-        """Run due repairs in a background task (for as long as the policy serves)."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self.serve())
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
     async def serve(self) -> None:
-        """Run due repairs until cancelled (what `start` runs; a task supervisor may run it instead)."""
+        """Run due repairs until cancelled: the body of the task the runtime's supervisor runs."""
         while True:
             await self._wake.wait()
             try:

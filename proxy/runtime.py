@@ -50,21 +50,20 @@ class Runtime:
         self.metrics.time_streams_for_access_log(self.access is not None)
         kept = {b.config.model_dump_json(): b for b in previous.backends} if previous else {}
         self.backends = [kept.get(b.model_dump_json()) or Backend(b) for b in config.backends]
-        self.shared: SharedState | None = None
-        # the routing profile's learned state (placements, rates, rotations) outlives a reload that
-        # leaves `routing` as it was; with Redis the shared table holds it already, and a new
-        # profile reads it back (so only a Redis-less profile is handed over)
-        keep = (previous is not None and previous.config.routing == config.routing
-                and config.redis is None and previous.config.redis is None)
+        # the routing profile's learned state (placements, rates, rotations, the Redis mirror)
+        # outlives a reload that leaves `routing` and `redis` as they were
+        keep = previous is not None and (previous.config.routing, previous.config.redis) == (config.routing, config.redis)
         self.routing_kept = keep
-        if config.redis is not None:
+        self.shared: SharedState | None = previous.shared if keep else None
+        self.owns_shared = not keep  # its loops run under the owner's tasks (hand_over moves them)
+        if config.redis is not None and not keep:
             self.shared = SharedState(
                 config.redis.url,
                 ttl_s=config.routing.prefix_affinity.shared_ttl_s,
                 timeout_s=config.redis.timeout_s,
                 sync_interval_s=config.redis.sync_interval_s,
                 max_connections=config.redis.max_connections,
-                local_load=lambda: {b.name: b.in_flight for b in self.backends},
+                local_load=self._local_load,
                 on_status=lambda up: self.metrics.redis_up.set(1 if up else 0),
             )
         # optional OpenTelemetry: wraps the policy and the upstream client (proxy/tracing.py)
@@ -133,6 +132,9 @@ class Runtime:
         """A discovered replica is gone for good: drop its per-backend series."""
         self.metrics.forget(self.metrics.backend_up, backend.name)
 
+    def _local_load(self) -> dict[str, int]:
+        return {b.name: b.in_flight for b in self.backends}
+
     def ready(self) -> bool:
         return any(b.healthy for b in self.backends)
 
@@ -152,7 +154,7 @@ class Runtime:
         self.lora.start(tasks)
         if self.scraper is not None:
             self.scraper.start(tasks)
-        if self.shared is not None:
+        if self.shared is not None and self.owns_shared:
             self.shared.start(tasks)
         policy = self.profile.policy  # (not the tracing wrapper)
         if hasattr(policy, "serve"):  # the policy's background work (prefix_affinity's packing repair)
@@ -167,7 +169,7 @@ class Runtime:
             await source.stop()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)
-        if self.shared is not None:
+        if self.shared is not None and self.owns_shared:
             await self.shared.stop()
         await self.tasks.stop()  # discovery, scraping, probes, LoRA operations
         if self.owner:
@@ -178,5 +180,9 @@ class Runtime:
 
     def hand_over(self, successor: "Runtime") -> None:
         """`successor` owns the process-wide parts now (it closes them when it stops: the last
-        config's stop ends the process's tasks too); stopping this one leaves them open."""
+        config's stop ends the process's tasks too); stopping this one leaves them open. A kept
+        Redis mirror's loops move to `successor`'s tasks."""
         self.owner, successor.owner = False, True
+        if successor.shared is not None and successor.shared is self.shared and self.owns_shared:
+            self.owns_shared, successor.owns_shared = False, True
+            successor.shared.move_to(successor.tasks, successor._local_load)

@@ -333,6 +333,12 @@ class SharedState:
         spawn(self._flusher(), "Redis flush")
         spawn(self._reader(), "Redis stream reader")
 
+    def move_to(self, tasks: Supervisor, local_load: Callable[[], dict[str, int]]) -> None:
+        """A reload that keeps this state: its loops go on, now under the next config's tasks and
+        publishing the next config's replicas."""
+        self._tasks.move_to(tasks)
+        self.local_load = local_load
+
     async def stop(self) -> None:
         self._closing = True
         self._wake.set()

@@ -30,6 +30,14 @@ class Supervisor:
     def child(self, name: str) -> "Supervisor":
         return Supervisor(f"{self.name}/{name}", self)
 
+    def move_to(self, parent: "Supervisor") -> None:
+        """Go on running under `parent` (a reload hands work that outlives its config over to the
+        next one without stopping it)."""
+        if self._parent is not None:
+            self._parent._children.discard(self)
+        self._parent = parent
+        parent._children.add(self)
+
     def spawn(self, coro: Coroutine, what: str, expected: tuple[type[BaseException], ...] = ()) -> asyncio.Task:
         """Run `coro` in the background. A failure is logged unless it is one of `expected` (an
         outcome whoever awaits the task handles)."""

@@ -79,3 +79,56 @@ async def test_a_runtime_stops_every_task_it_started_and_a_reload_keeps_the_proc
     assert second.supervisor is first.supervisor and "discovery round" in second.tasks.running()
     await second.stop()
     assert process_task.cancelled() and second.supervisor.running() == []
+
+
+async def _until(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Wait for a condition the background loops bring about (bounded, generous: CI is loaded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_reload_hands_the_redis_mirror_over_with_its_loops_running(redis_url: str) -> None:
+    """Routing and Redis unchanged: the next config keeps the profile and the shared mirror, whose
+    sync, flush and stream reader go on under the next config's tasks (no reconnect, no resync);
+    stopping the previous config leaves them running, stopping the last one ends them."""
+    import redis.asyncio as redis
+
+    from proxy.shared import PINS_KEY
+
+    base = {"backends": [{"name": "gpu-0", "url": "http://127.0.0.1:9", "models": ["m"]}],
+            "discovery": {"interval_s": 30, "timeout_s": 0.2}, "redis": {"url": redis_url}}
+    first = Runtime(parse_config(base))
+    await first.start()
+    shared = first.shared
+    await _until(lambda: shared.up, "Redis up")
+    second = Runtime(parse_config({**base, "server": {"max_queue": 3}}), previous=first)
+    assert second.routing_kept and second.shared is shared and second.profile is first.profile
+    await second.start()
+    first.hand_over(second)
+    await first.stop()
+    assert first.tasks.running() == []
+    assert {"Redis sync", "Redis flush", "Redis stream reader"} <= set(second.tasks.running())
+    assert shared.local_load() == {"gpu-0": 0} and shared.local_load.__self__ is second
+
+    client = redis.Redis.from_url(redis_url)
+    try:  # the flusher still writes: a placement made after the hand-over reaches Redis
+        shared.place(0xABC, [("gpu-0", 0)])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while not await client.hget(PINS_KEY, f"{0xABC:016x}"):
+            assert loop.time() < deadline, "the placement never reached Redis"
+            await asyncio.sleep(0.01)
+
+        third = Runtime(parse_config({**base, "routing": {"policy": "least_loaded"}}), previous=second)
+        assert not third.routing_kept and third.shared is not shared
+        await third.start()
+        second.hand_over(third)
+        await second.stop()  # it owned the mirror: its loops end with it
+        assert not any(w.startswith("Redis") for w in second.tasks.running())
+        await third.stop()
+        assert third.supervisor.running() == []
+    finally:
+        await client.aclose()

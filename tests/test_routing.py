@@ -198,6 +198,24 @@ def test_queue_depth_prefers_the_shorter_scraped_queue() -> None:
     assert run(sched.policy.pick(backends, REQUEST, route_of(backends)))[0].name == "r1"
 
 
+def test_a_small_queue_difference_counts_in_proportion() -> None:
+    """One request more waiting is a quarter of queue_depth's weight (full_spread 4), not all of
+    it: a replica with much more free KV cache still wins; with full_spread 0 (llm-d's
+    normalisation) any difference is the whole weight."""
+    backends = fleet(2)
+    backends[0].waiting, backends[0].kv_usage = 1.0, 0.1
+    backends[1].waiting, backends[1].kv_usage = 0.0, 0.7
+
+    def winner(full_spread: float) -> str:
+        sched = scheduler({"policy": "w", "profiles": {"w": {"scorers": [
+            {"type": "queue_depth", "weight": 2, "params": {"full_spread": full_spread}}, "kv_cache"]}}})
+        return run(sched.policy.pick(backends, REQUEST, route_of(backends)))[0].name
+
+    assert winner(4) == "r0" and winner(0) == "r1"
+    backends[0].waiting = 5.0  # past the full spread: the whole weight
+    assert winner(4) == "r1"
+
+
 def test_kv_cache_prefers_free_kv_cache() -> None:
     backends = fleet(3)
     for b, usage in zip(backends, (0.9, 0.2, None)):

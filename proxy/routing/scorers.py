@@ -15,13 +15,14 @@ from proxy.routing.backends import Backend
 from proxy.routing.plugins import Scorer, register
 
 
-def _relative(values: list[float], totals: list[float], weight: float) -> None:
-    """Add weight x (max - v) / (max - min): the least loaded scores 1, the most 0 (llm-d's
-    normalisation); equal values add nothing."""
+def _relative(values: list[float], totals: list[float], weight: float, full: float = 0.0) -> None:
+    """Add weight x (max - v) / max(max - min, full): the least loaded scores 1, the most 0
+    (llm-d's normalisation); equal values add nothing. With `full`, a spread smaller than that
+    counts in proportion (one request more waiting is not the whole weight)."""
     hi = max(values)
     span = hi - min(values)
     if span > 0:
-        scale = weight / span
+        scale = weight / max(span, full)
         for i, v in enumerate(values):
             totals[i] += (hi - v) * scale
 
@@ -44,6 +45,9 @@ class QueueParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     unknown: float = Field(0.0, ge=0, description="requests assumed waiting on a replica not (yet) scraped")
+    full_spread: float = Field(
+        4.0, ge=0, description="a difference in waiting requests that counts the whole weight; smaller ones count "
+        "in proportion (0: any difference does, as llm-d's normalisation)")
 
 
 @register
@@ -56,7 +60,8 @@ class QueueDepth(Scorer):
 
     def add(self, candidates: Sequence[Backend], totals: list[float], weight: float, request: ParsedRequest) -> None:
         unknown = self.params.unknown
-        _relative([unknown if b.waiting is None else b.waiting for b in candidates], totals, weight)
+        _relative([unknown if b.waiting is None else b.waiting for b in candidates], totals, weight,
+                  self.params.full_spread)
 
 
 class KvParams(BaseModel):

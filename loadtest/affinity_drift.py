@@ -19,6 +19,11 @@ all over the whole phase, including its first requests.
     python -m loadtest.affinity_drift                      # prefix_affinity + round robin, 1 and 3 proxies
     python -m loadtest.affinity_drift --time-scale 10      # the same at a tenth of the rate
     python -m loadtest.affinity_drift --offline --seeds 0-7    # the policy alone on a request clock (seconds)
+    python -m loadtest.affinity_drift --policies vllm-router:cache_aware --proxies 1   # a peer router
+
+A peer router (`vllm-router:<policy>` or `sglang:<policy>`, installed in --peers-venv) gets the
+same phases; replicas join and leave through its /add_worker and /remove_worker, and its
+per-replica counts are read from the replicas (it names no backend in its answers).
 
 `--offline` routes every request through `PrefixAffinity.pick` (one proxy, no Redis, no timing)
 and replays each replica's requests through the sim's cache: deterministic, for comparing policy
@@ -42,7 +47,8 @@ import orjson
 from loadtest.affinity import percentile
 from loadtest.affinity_bound import token_hit_rate
 from loadtest.affinity_client import run_load
-from loadtest.affinity_fleet import HOST, Fleet, SimSettings, check_policy, free_port, replica_cmd
+from loadtest.affinity_fleet import (HOST, PEERS, Fleet, SimSettings, check_policy, free_port, peer_available,
+                                     replica_cmd)
 from loadtest.affinity_replay import seeds
 from loadtest.affinity_workload import Workload, WorkloadSpec, generate
 from proxy.sim import protocol
@@ -90,6 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--itl-ms", type=float, default=10.0)
     add("--time-scale", type=float, default=1.0, help="sim latency multiplier: 10 runs the same at a tenth of the rate")
     add("--max-num-seqs", type=int, default=8)
+    add("--peers-venv", default="/tmp/peers-venv")
     add("--offline", action="store_true")
     add("--knobs", default="{}", help="routing.prefix_affinity settings as JSON (offline)")
     add("--rate", type=float, default=160.0, help="offline: requests a second on the simulated clock")
@@ -154,8 +161,9 @@ def pooled(phases: list[tuple[Phase, Workload, list[int]]], args: argparse.Names
 
 
 def summarize(ph: Phase, served: list[str], mine: list[tuple[int, int]], bound: list[tuple[int, int]],
-              ttft: list[float], errors: int = 0) -> dict:
-    counts = Counter(served)
+              ttft: list[float], errors: int = 0, counted: dict[str, int] | None = None) -> dict:
+    """`counted`: requests per replica read from the replicas (for a router that names none)."""
+    counts = Counter(counted) if counted is not None else Counter(served)
     live = [f"r{i}" for i in ph.replicas]
     per = [counts.get(name, 0) for name in live]
     mean = sum(per) / len(per) if per else 0.0
@@ -241,6 +249,19 @@ def wait_for(routers: list[str], name: str, up: bool, timeout: float = 60.0) -> 
         time.sleep(0.1)
 
 
+def replica_requests(url: str) -> int:
+    with urllib.request.urlopen(url + "/sim/stats", timeout=5) as r:
+        return sum(orjson.loads(r.read())["requests"].values())
+
+
+def change_worker(routers: list[str], verb: str, url: str) -> None:
+    """A peer router's own API for a replica joining (`add`) or leaving (`remove`)."""
+    for router in routers:
+        request = urllib.request.Request(f"{router}/{verb}_worker?url={url}", method="POST")
+        with urllib.request.urlopen(request, timeout=120) as r:
+            r.read()
+
+
 def live(args: argparse.Namespace, seed: int, policy: str, routers: int, tmp: Path) -> list[dict]:
     phases = workloads(args, seed)
     model = phases[0][1].spec.model
@@ -251,7 +272,9 @@ def live(args: argparse.Namespace, seed: int, policy: str, routers: int, tmp: Pa
     ports = [free_port() for _ in range(REPLICAS)]
     urls = [f"http://{HOST}:{p}" for p in ports]
     procs: dict[int, object] = {}
-    results, loads = [], []
+    results, loads, counted = [], [], []
+    peer, _, peer_policy = policy.partition(":")
+    peer = peer if peer in PEERS else None
     with Fleet(cell) as fleet:
 
         def start(i: int) -> None:
@@ -260,20 +283,32 @@ def live(args: argparse.Namespace, seed: int, policy: str, routers: int, tmp: Pa
 
         for i in phases[0][0].replicas:
             start(i)
-        extra = "discovery: {interval_s: 0.2, timeout_s: 1.0, failures_to_down: 1}\n"
-        fleet.start_proxies(routers, policy, fleet.redis_url(), replicas=urls, extra=extra)
         live_now = set(phases[0][0].replicas)
-        for i in range(REPLICAS):
-            wait_for(fleet.routers, f"r{i}", i in live_now)
+        if peer:
+            fleet.replicas = [urls[i] for i in sorted(live_now)]
+            fleet.start_peers(routers, peer, peer_policy, args.peers_venv)
+        else:
+            extra = "discovery: {interval_s: 0.2, timeout_s: 1.0, failures_to_down: 1}\n"
+            fleet.start_proxies(routers, policy, fleet.redis_url(), replicas=urls, extra=extra)
+            for i in range(REPLICAS):
+                wait_for(fleet.routers, f"r{i}", i in live_now)
         for ph, workload in phases:
             for i in sorted(set(ph.replicas) - live_now):
                 start(i)
-                wait_for(fleet.routers, f"r{i}", True)
+                if peer:
+                    change_worker(fleet.routers, "add", urls[i])
+                else:
+                    wait_for(fleet.routers, f"r{i}", True)
             for i in sorted(live_now - set(ph.replicas)):
+                if peer:
+                    change_worker(fleet.routers, "remove", urls[i])
                 procs[i].stop()  # type: ignore[attr-defined]
-                wait_for(fleet.routers, f"r{i}", False)
+                if not peer:
+                    wait_for(fleet.routers, f"r{i}", False)
             live_now = set(ph.replicas)
+            before = {i: replica_requests(urls[i]) for i in live_now} if peer else None
             load = asyncio.run(run_load(workload, fleet.routers, args.concurrency))
+            counted.append({f"r{i}": replica_requests(urls[i]) - n for i, n in before.items()} if before else None)
             results.append((ph, workload, load.sent_order))
             loads.append(load)
     bound = pooled(results, args)
@@ -282,7 +317,7 @@ def live(args: argparse.Namespace, seed: int, policy: str, routers: int, tmp: Pa
         load = loads[k]
         served = [load.served.get(i, ("", ""))[0] for i in order]
         mine = [load.cached.get(i, (0, 0)) for i in order]
-        out.append(summarize(ph, served, mine, bound[k], load.ttft, load.errors))
+        out.append(summarize(ph, served, mine, bound[k], load.ttft, load.errors, counted[k]))
     return out
 
 
@@ -305,7 +340,7 @@ def worst(runs: list[tuple[str, list[dict]]]) -> None:
         share = min(r["share"] for r in rows)
         mm = max(r["max_over_mean"] for r in rows)
         flag = "" if share >= 0.97 and mm <= 1.10 else "  <-- misses 0.97 / 1.10"
-        print(f"  {config:<36}{phase:<7} {share:.3f} {mm:.2f}  ({len(rows)} runs){flag}")
+        print(f"  {config:<40} {phase:<7} {share:.3f} {mm:.2f}  ({len(rows)} runs){flag}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phases of {args.requests} requests, concurrency {args.concurrency}, time scale {args.time_scale}, "
               f"cache {args.cache_chars} chars per replica; logs {tmp}", flush=True)
         for policy in [p for p in args.policies.split(",") if p]:
-            why = check_policy(policy, tmp, "redis://127.0.0.1:1/0")
+            peer = policy.partition(":")[0]
+            why = peer_available(peer, args.peers_venv) if peer in PEERS else check_policy(policy, tmp, "redis://127.0.0.1:1/0")
             if why:
                 print(f"[skip] {policy}: {why.splitlines()[-1]}", file=sys.stderr)
                 continue

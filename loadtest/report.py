@@ -265,10 +265,13 @@ def run_affinity(argv: list[str], ctx: dict, prog: Progress) -> dict:
 
 # --- drift ------------------------------------------------------------------------------------
 def run_drift(argv: list[str], ctx: dict, prog: Progress) -> dict:
-    """loadtest.affinity_drift's live runs (seed 0), one per policy and proxy count."""
-    args = affinity_drift.parse_args(argv)
+    """loadtest.affinity_drift's live runs (seed 0), one per policy and proxy count; the installed
+    peer routers (cache_aware) beside them, one router each (they share no state)."""
+    args = affinity_drift.parse_args(argv + ["--peers-venv", ctx["peers_venv"]])
     tmp = Path(tempfile.mkdtemp(prefix="report-drift-"))
     todo = [(p, int(r)) for p in args.policies.split(",") if p for r in args.proxies.split(",") if r]
+    todo += [(f"{peer}:cache_aware", 1) for peer in affinity_drift.PEERS
+             if affinity_drift.peer_available(peer, args.peers_venv) is None]
     runs, failures = [], []
     for k, (policy, routers) in enumerate(todo):
         prog.step(k, len(todo), f"{policy} x{routers}")

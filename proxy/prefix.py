@@ -150,7 +150,9 @@ def prefix_key(endpoint_is_chat: bool, data: dict[str, Any], seed: str, block: i
         text, system_end = render_chat(data)
     else:
         text, system_end = render_prompt(data.get("prompt")), 0
-    blocks = min(len(text) // block, max_blocks)
+    blocks = len(text) // block
+    if max_blocks < blocks:  # (min without the call: this runs on every request)
+        blocks = max_blocks
     if system_end > 0:
         pin_part = text[:system_end]
         cache_key: tuple[str, int, bytes] | None = (seed, block, pin_part)
@@ -167,7 +169,8 @@ def prefix_key(endpoint_is_chat: bool, data: dict[str, Any], seed: str, block: i
         pin, chain, previous = _chain(pin, chain, previous, text, blocks, block)
     elif blocks < len(chain):  # kept by a policy hashing more blocks
         chain = chain[:blocks]
-    return PrefixKey(pin, chain, min(system_end // block, len(chain)))
+    pin_blocks = system_end // block
+    return PrefixKey(pin, chain, pin_blocks if pin_blocks <= len(chain) else len(chain))
 
 
 def _chain(pin: int, chain: tuple[int, ...], previous: bytes, text: bytes, blocks: int, block: int):

@@ -96,7 +96,9 @@ class LoadView:
         self.fleet_rate = total = sum(rates)
         local = self.routed.value(None, now)  # all this proxy routed, on the same window as `rates`
         if local >= 16.0:  # proxies sharing the traffic: the fleet's routed count over this proxy's
-            self.proxies += (min(max(total / local, 1.0), 64.0) - self.proxies) * 0.02
+            ratio = total / local  # clamped to [1, 64] (as min(max(...)), without two calls)
+            ratio = 1.0 if 1.0 > ratio else 64.0 if 64.0 < ratio else ratio
+            self.proxies += (ratio - self.proxies) * 0.02
         mean = (total + 1.0) / n
         cap = (1.0 + cfg.epsilon) * mean + cfg.load_slack * math.sqrt(mean)  # slack: the count's own noise
         qcap = math.ceil((1.0 + cfg.epsilon) * (sum(flights) + 1) / n) + cfg.queue_slack

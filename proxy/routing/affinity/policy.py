@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from proxy.config import AffinityConfig
+from proxy.config import AffinityConfig, Plain
 from proxy.parse import CHAT, ParsedRequest
 from proxy.prefix import prefix_key
 from proxy.routing.backends import Backend
@@ -35,6 +35,7 @@ class PrefixAffinity:
         """`timer`: where wall and monotonic time are read (`time()`, `monotonic()`): the time
         module, or a simulated clock in the offline benchmarks."""
         self.config = config
+        config = self._knobs = Plain(config)  # (the parts read it on every request)
         self.shared = shared
         self.index = PrefixIndex(config.index_blocks_per_backend)
         self._wall = timer.time
@@ -95,7 +96,7 @@ class PrefixAffinity:
         endpoint = request.endpoint
         if endpoint != CHAT and endpoint != _COMPLETIONS:
             return min(candidates, key=self.load), "least-loaded"
-        cfg = self.config
+        cfg = self._knobs
         key = prefix_key(endpoint == CHAT, request.data, route.upstream_id, cfg.block_chars, cfg.max_blocks)
         chain = key.chain
         shared = self.shared
@@ -122,9 +123,10 @@ class PrefixAffinity:
         tenants.note(pin, now, returning)
         if len(tenants.rate.scaled) > self.table.forget_at:
             self.table.forget(now)
-        stale = self.index.record(chain, name, self._monotonic(), cfg.shared_ttl_s)
-        if shared is not None and stale:
-            shared.remember(stale, name)
+        if chain:
+            stale = self.index.record(chain, name, self._monotonic(), cfg.shared_ttl_s)
+            if shared is not None and stale:
+                shared.remember(stale, name)
         return chosen, reason
 
     def _positions(self, route: str, candidates: Sequence[Backend], now: float) -> dict[str, int]:

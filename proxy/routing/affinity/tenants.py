@@ -52,9 +52,11 @@ class TenantStats:
         fast.count(pin, up_fast)
         stats = seen[pin]
         whole = rscaled[None]
-        total = whole * _exposure(stats, 3, whole / up, rates.tau, now)
+        # (_exposure is 1 for a tenant that came first: skip the call)
+        total = whole if stats[3] <= 0.0 else whole * _exposure(stats, 3, whole / up, rates.tau, now)
         mine = rscaled[pin] / up  # decayed requests of this tenant
-        low = max(mine - _IDLE_SIGMAS * math.sqrt(mine), 0.0) * up / total
+        low = mine - _IDLE_SIGMAS * math.sqrt(mine)
+        low = (0.0 if 0.0 > low else low) * up / total  # (max(low, 0.0) without the call)
         seen[pin] = (stats[0], now, low, stats[3], stats[4])
 
     def idle(self, pin: int, now: float, wall: float) -> bool:

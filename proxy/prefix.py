@@ -28,6 +28,9 @@ class PrefixKey(NamedTuple):  # a tuple: built once per request, cheaper than a 
     pin_blocks: int  # how many leading chain entries lie inside the pinned (system) part
 
 
+_new_key = tuple.__new__  # PrefixKey(...) without the named tuple's own __new__ (a Python call)
+
+
 def _h(data: bytes) -> int:
     return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
 
@@ -170,7 +173,7 @@ def prefix_key(endpoint_is_chat: bool, data: dict[str, Any], seed: str, block: i
     elif blocks < len(chain):  # kept by a policy hashing more blocks
         chain = chain[:blocks]
     pin_blocks = system_end // block
-    return PrefixKey(pin, chain, pin_blocks if pin_blocks <= len(chain) else len(chain))
+    return _new_key(PrefixKey, (pin, chain, pin_blocks if pin_blocks <= len(chain) else len(chain)))
 
 
 def _chain(pin: int, chain: tuple[int, ...], previous: bytes, text: bytes, blocks: int, block: int):

@@ -131,10 +131,11 @@ class PrefixAffinity:
 
     def _positions(self, route: str, candidates: Sequence[Backend], now: float) -> dict[str, int]:
         """Replica name -> position in `candidates`; notes a change of the route's replicas."""
-        fleet = tuple(candidates)
         known = self._where.get(route)
-        if known is not None and known[0] == fleet:  # the same replica objects (compared by identity)
+        # the same replica objects (compared by identity); usually the route's own tuple
+        if known is not None and (known[0] is candidates or known[0] == tuple(candidates)):
             return known[1]
+        fleet = tuple(candidates)
         names = self._fleets.get(route)
         if names is None or len(names) != len(candidates) or any(a != b.name for a, b in zip(names, candidates)):
             self._membership(route, candidates, now)

@@ -18,6 +18,7 @@ from proxy.routing.affinity.store import Pins
 
 _PUBLISH_TENANTS = 16384  # tenants up to which this proxy shares its counts with the others' planner
 _GROW_SIGMAS = 2.5  # a set grows on the lower confidence bound of the tenant's share (Poisson)
+_FEW_TO_GROW = 0.96 * _GROW_SIGMAS ** 2  # decayed requests below which that bound is 0 (with room for rounding)
 _IDLE_GAPS = 6.0  # a tenant is idle after this many of its mean gaps without a request (P ~ e^-6 by chance)
 _IDLE_SIGMAS = 2.0  # ... of its mean gaps at the low end of its share (Poisson), so a light one is not dropped early
 _PRESENT_GAPS = 3.0  # the packing repair weighs a tenant silent for more of its mean gaps than this down
@@ -127,6 +128,11 @@ class TenantStats:
         need = size * self.config.grow_fill
         stats = self.seen.get(pin)
         for counts, at in ((self.rate, 3), (self.fast, 4)):
+            # most tenants have too few requests for a low bound above 0: no estimate needed
+            # (`mine` below is at most its decayed requests, and mine - s sqrt(mine) <= 0 up to s^2)
+            up = counts.factor(now)  # first: it may renormalise (replace) `scaled`
+            if counts.scaled.get(pin, 0.0) < _FEW_TO_GROW * up:
+                continue
             share, seen = self._estimate(pin, now, counts, stats, at)
             mine = share * seen  # its requests (decayed); Poisson bound: a first request is not "100 %"
             low = max(mine - _GROW_SIGMAS * math.sqrt(mine), 0.0) / max(seen, 1.0)

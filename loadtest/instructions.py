@@ -10,6 +10,7 @@ so read them beside the overhead benchmark, not instead of it.
 
     python -m loadtest.instructions --refs .,58e13fe                 # lab config, plain requests
     python -m loadtest.instructions --refs .,HEAD~5 --policy prefix_affinity --redis --stream
+    python -m loadtest.instructions --refs .,HEAD~5 --policy prefix_affinity --backends 4 --system
 """
 from __future__ import annotations
 
@@ -39,8 +40,12 @@ def tree(ref: str, tmp: Path) -> Path:
     return out
 
 
-def send(port: int, n: int, stream: bool) -> None:
-    body = json.dumps({**CHAT, "stream": stream}).encode()
+# the overhead benchmark's wrk body (loadtest/wrk_chat.lua): a short system prompt, then the question
+WRK_CHAT = {**CHAT, "messages": [{"role": "system", "content": "You are a helpful assistant."}, *CHAT["messages"]]}
+
+
+def send(port: int, n: int, stream: bool, system: bool = False) -> None:
+    body = json.dumps({**(WRK_CHAT if system else CHAT), "stream": stream}).encode()
     conn = http.client.HTTPConnection(HOST, port, timeout=120)
     for _ in range(n):
         conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
@@ -54,8 +59,8 @@ def send(port: int, n: int, stream: bool) -> None:
 def measure(ref: str, args: argparse.Namespace, tmp: Path, backend: str, redis_url: str | None) -> float:
     port = free_port()
     cfg = tmp / f"{ref.replace('/', '_')}.yaml"
-    text = (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n"
-            f'  - {{name: b0, url: "{backend}", models: [bench-model]}}\n'
+    replicas = "".join(f'  - {{name: b{i}, url: "{backend}", models: [bench-model]}}\n' for i in range(args.backends))
+    text = (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n{replicas}"
             f"routing: {{policy: {args.policy}}}\n"
             # periodic work (polls, the Redis sync) costs per second, not per request: under
             # callgrind's slow clock it would land in the window in proportion to the slowdown
@@ -69,10 +74,10 @@ def measure(ref: str, args: argparse.Namespace, tmp: Path, backend: str, redis_u
     proc = spawn(f"proxy-{ref.replace('/', '_')}", cmd, tmp, cwd=tree(ref, tmp / "trees"))
     try:
         wait_ready(proc, f"http://{HOST}:{port}/ready", timeout=600)
-        send(port, args.warmup, args.stream)
+        send(port, args.warmup, args.stream, args.system)
         pid = str(proc.popen.pid)
         subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
-        send(port, args.requests, args.stream)
+        send(port, args.requests, args.stream, args.system)
         subprocess.run(["callgrind_control", "-i", "off", pid], check=True, capture_output=True)
         subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True)
         deadline = time.monotonic() + 60
@@ -96,6 +101,10 @@ def main() -> None:
     ap.add_argument("--policy", default="least_loaded")
     ap.add_argument("--redis", action="store_true", help="shared state in a private redis-server")
     ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--backends", type=int, default=1,
+                    help="replicas in the config (all the same fake backend): the policy's cost grows with them")
+    ap.add_argument("--system", action="store_true",
+                    help="the overhead benchmark's wrk body (with a short system prompt) instead of a bare question")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--warmup", type=int, default=300)
     args = ap.parse_args()
@@ -118,7 +127,8 @@ def main() -> None:
             redis.stop()
     base = next(iter(results.values()), None)
     print(f"\ninstructions per request: policy {args.policy}, redis {'on' if args.redis else 'off'}, "
-          f"{'stream' if args.stream else 'plain'}, {args.requests} requests after {args.warmup} warm-up")
+          f"{'stream' if args.stream else 'plain'}{', system prompt' if args.system else ''}, {args.backends} "
+          f"replica(s), {args.requests} requests after {args.warmup} warm-up")
     for ref, value in results.items():
         print(f"| {ref:12} | {value:12,.0f} | {value / base:.3f} |")
 

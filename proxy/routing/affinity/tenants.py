@@ -106,7 +106,8 @@ class TenantStats:
         total = whole * _exposure(stats, at, whole / up, counts.tau, now)
         if total <= 0.0:
             return 0.0, 0.0
-        return min(scaled.get(pin, 0.0) / total, 1.0), total / up
+        share = scaled.get(pin, 0.0) / total
+        return 1.0 if 1.0 < share else share, total / up  # (min(share, 1.0): min and max are costly calls)
 
     def current(self, pin: int, now: float) -> float:
         """The tenant's share over the window, or over its short window when that is clearly
@@ -135,7 +136,8 @@ class TenantStats:
                 continue
             share, seen = self._estimate(pin, now, counts, stats, at)
             mine = share * seen  # its requests (decayed); Poisson bound: a first request is not "100 %"
-            low = max(mine - _GROW_SIGMAS * math.sqrt(mine), 0.0) / max(seen, 1.0)
+            low = mine - _GROW_SIGMAS * math.sqrt(mine)
+            low = (0.0 if 0.0 > low else low) / (1.0 if 1.0 > seen else seen)
             if low * n >= need:
                 return True
         return False
@@ -183,4 +185,7 @@ def _exposure(stats: tuple | None, at: int, total: float, tau: float, now: float
     if before <= 0.0:
         return 1.0
     before = before * math.exp(-(now - stats[0]) / tau)
-    return max(1.0 - before / total, 1e-9) if total > 0.0 else 1.0
+    if total > 0.0:
+        part = 1.0 - before / total
+        return 1e-9 if 1e-9 > part else part
+    return 1.0

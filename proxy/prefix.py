@@ -31,8 +31,13 @@ class PrefixKey(NamedTuple):  # a tuple: built once per request, cheaper than a 
 _new_key = tuple.__new__  # PrefixKey(...) without the named tuple's own __new__ (a Python call)
 
 
+_BLAKE8 = blake2b(digest_size=8)  # copied per hash: cheaper than a constructor parsing its keyword
+
+
 def _h(data: bytes) -> int:
-    return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
+    h = _BLAKE8.copy()
+    h.update(data)
+    return int.from_bytes(h.digest(), "little")
 
 
 def media_digest(url: str) -> str:
@@ -181,8 +186,13 @@ def _chain(pin: int, chain: tuple[int, ...], previous: bytes, text: bytes, block
     if blocks <= len(chain):
         return pin, chain, previous
     out = list(chain)
+    # per block, _h(previous + the block) without copying either (a long prompt has dozens)
+    view = memoryview(text)
+    copy, from_bytes = _BLAKE8.copy, int.from_bytes
     for start in range(len(chain) * block, blocks * block, block):
-        value = _h(previous + text[start : start + block])
-        out.append(value)
-        previous = value.to_bytes(8, "little")
+        h = copy()
+        h.update(previous)
+        h.update(view[start : start + block])
+        previous = h.digest()
+        out.append(from_bytes(previous, "little"))
     return pin, tuple(out), previous

@@ -97,8 +97,8 @@ class PrefixAffinity:
         if endpoint != CHAT and endpoint != _COMPLETIONS:
             return min(candidates, key=self.load), "least-loaded"
         cfg = self._knobs
-        key = prefix_key(endpoint == CHAT, request.data, route.upstream_id, cfg.block_chars, cfg.max_blocks)
-        chain = key.chain
+        pin, chain, pin_blocks = prefix_key(endpoint == CHAT, request.data, route.upstream_id, cfg.block_chars,
+                                            cfg.max_blocks)
         shared = self.shared
         match = shared.longest(chain) if shared is not None else None
         if match is None:
@@ -106,16 +106,15 @@ class PrefixAffinity:
         wall = self._wall()
         now = self.view.tick(wall)
         where = self._positions(route.name, candidates, now)
-        self.table.note_prompt(key.pin_blocks)
+        self.table.note_prompt(pin_blocks)
         self.repair.check(candidates, now)
-        pin = key.pin
         tenants = self.tenants
         returning = self.placement.returning = pin in self.pins and tenants.idle(pin, now, wall)
-        chosen, reason = self.placement.decide(candidates, where, pin, key.pin_blocks, match, now, wall)
+        chosen, reason = self.placement.decide(candidates, where, pin, pin_blocks, match, now, wall)
         if self.balance is not None:
             entry = self.pins.get(pin)
             chosen, capped = self.balance.check(route.name, candidates, chosen, pin, entry[0] if entry else (),
-                                                match[1] == chosen.name and match[0] > key.pin_blocks, self.view.proxies)
+                                                match[1] == chosen.name and match[0] > pin_blocks, self.view.proxies)
             if capped:
                 reason = "balance"
         name = chosen.name

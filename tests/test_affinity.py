@@ -88,6 +88,27 @@ def test_system_part_hashes_are_kept_without_changing_keys() -> None:
     assert bounded.used <= 10_000 and len(bounded.entries) == 20
 
 
+def test_prefix_key_values_follow_their_definition() -> None:
+    """Every proxy (and every version in a rolling upgrade) must compute the same keys: the pin is
+    blake2b-64 of (seed, NUL, the system part), block i's hash is blake2b-64 of (block i-1's hash, or
+    the seed's for the first, then block i), little-endian; whatever the code does to be fast."""
+    from hashlib import blake2b
+
+    def h(data: bytes) -> bytes:
+        return blake2b(data, digest_size=8).digest()
+
+    system, question = tenant(7) + "é", "und noch eine Frage " * 40
+    key = prefix_key(True, chat_request(system, question).data, MODEL, 64, 64)
+    text = f"\x1esystem\x1f{system}\x1euser\x1f{question}".encode()
+    system_end = len(f"\x1esystem\x1f{system}".encode())
+    head = MODEL.encode() + b"\x00"
+    previous, chain = h(head), []
+    for start in range(0, len(text) // 64 * 64, 64):
+        previous = h(previous + text[start:start + 64])
+        chain.append(int.from_bytes(previous, "little"))
+    assert key.pin == int.from_bytes(h(head + text[:system_end]), "little")
+    assert key.chain == tuple(chain) and key.pin_blocks == system_end // 64
+
 def test_independent_policies_agree_without_coordination() -> None:
     bs = backends(4)
     one, two = PrefixAffinity(AffinityConfig()), PrefixAffinity(AffinityConfig())

@@ -634,3 +634,23 @@ def test_a_new_population_of_chats_never_overloads_a_replica() -> None:
 
     assert worst({}) <= 1.10
     assert worst({"balance_window_requests": 0}) > 1.2  # without the guard (what it is for)
+
+
+def test_share_floor_bounds_both_estimates() -> None:
+    """The shrink check skips the tenants' share estimates when their cheap floor already rules a
+    shrink out: the floor must never exceed either estimate (tenants appearing late, going quiet,
+    coming back, the counts renormalising)."""
+    import random
+
+    policy = PrefixAffinity(AffinityConfig(window_requests=300.0))
+    tenants, rng, now = policy.tenants, random.Random(7), 0.0
+    pins = list(range(1, 30))
+    for step in range(20_000):
+        now += rng.choice((1.0, 1.0, 2.5))
+        pin = rng.choice(pins[: 3 + step // 1000])  # tenants keep appearing
+        tenants.note(pin, now, returning=rng.random() < 0.01)
+        if step % 7 == 0:
+            probe = rng.choice(pins)
+            floor = tenants.share_floor(probe, now)
+            assert floor <= tenants.estimate(probe, now)[0] and floor <= tenants.estimate(probe, now, True)[0]
+    assert tenants.share_floor(pins[0], now) > 0.0  # (a bound that is always 0 would prove nothing)

@@ -109,6 +109,22 @@ class TenantStats:
         share = scaled.get(pin, 0.0) / total
         return 1.0 if 1.0 < share else share, total / up  # (min(share, 1.0): min and max are costly calls)
 
+    def share_floor(self, pin: int, now: float) -> float:
+        """A lower bound on both `estimate`s' shares, without their exposure (an exp each): the
+        tenant's requests over all of this proxy's (an exposure is at most 1, so it only raises a
+        share; every step is monotonic in floating point too)."""
+        floor = 1.0
+        for counts in (self.rate, self.fast):
+            up = counts.factor(now)  # first: it may renormalise (replace) `scaled`
+            scaled = counts.scaled
+            whole = scaled.get(None, 0.0)
+            if whole < 1.0:  # (no bound from next to nothing)
+                return 0.0
+            share = scaled.get(pin, 0.0) / whole
+            if share < floor:
+                floor = share
+        return floor
+
     def current(self, pin: int, now: float) -> float:
         """The tenant's share over the window, or over its short window when that is clearly
         different (the tenant turned hot or cold): stable while nothing changes, quick when it does."""

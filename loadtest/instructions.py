@@ -10,6 +10,7 @@ so read them beside the overhead benchmark, not instead of it.
 
     python -m loadtest.instructions --refs .,58e13fe                 # lab config, plain requests
     python -m loadtest.instructions --refs .,HEAD~5 --policy prefix_affinity --redis --stream
+    python -m loadtest.instructions --refs .,HEAD~5 --policy prefix_affinity --backends 4 --system
 """
 from __future__ import annotations
 
@@ -33,14 +34,20 @@ def tree(ref: str, tmp: Path) -> Path:
     if ref == ".":
         return ROOT
     out = tmp / ref.replace("/", "_")
+    if out.exists():  # (a ref listed twice, to see the counts repeat)
+        return out
     out.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "proxy"], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
     return out
 
 
-def send(port: int, n: int, stream: bool) -> None:
-    body = json.dumps({**CHAT, "stream": stream}).encode()
+# the overhead benchmark's wrk body (loadtest/wrk_chat.lua): a short system prompt, then the question
+WRK_CHAT = {**CHAT, "messages": [{"role": "system", "content": "You are a helpful assistant."}, *CHAT["messages"]]}
+
+
+def send(port: int, n: int, stream: bool, system: bool = False) -> None:
+    body = json.dumps({**(WRK_CHAT if system else CHAT), "stream": stream}).encode()
     conn = http.client.HTTPConnection(HOST, port, timeout=120)
     for _ in range(n):
         conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
@@ -51,11 +58,11 @@ def send(port: int, n: int, stream: bool) -> None:
     conn.close()
 
 
-def measure(ref: str, args: argparse.Namespace, tmp: Path, backend: str, redis_url: str | None) -> float:
+def measure(ref: str, args: argparse.Namespace, tmp: Path, backends: list[str], redis_url: str | None) -> float:
     port = free_port()
     cfg = tmp / f"{ref.replace('/', '_')}.yaml"
-    text = (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n"
-            f'  - {{name: b0, url: "{backend}", models: [bench-model]}}\n'
+    replicas = "".join(f'  - {{name: b{i}, url: "{url}", models: [bench-model]}}\n' for i, url in enumerate(backends))
+    text = (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n{replicas}"
             f"routing: {{policy: {args.policy}}}\n"
             # periodic work (polls, the Redis sync) costs per second, not per request: under
             # callgrind's slow clock it would land in the window in proportion to the slowdown
@@ -66,18 +73,19 @@ def measure(ref: str, args: argparse.Namespace, tmp: Path, backend: str, redis_u
     out = tmp / f"callgrind.{ref.replace('/', '_')}"
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p",
            sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--port", str(port)]
-    proc = spawn(f"proxy-{ref.replace('/', '_')}", cmd, tmp, cwd=tree(ref, tmp / "trees"))
+    # a fixed string hash seed: dict layouts (so probe counts) repeat from run to run
+    proc = spawn(f"proxy-{ref.replace('/', '_')}", cmd, tmp, env={"PYTHONHASHSEED": "0"}, cwd=tree(ref, tmp / "trees"))
     try:
         wait_ready(proc, f"http://{HOST}:{port}/ready", timeout=600)
-        send(port, args.warmup, args.stream)
+        send(port, args.warmup, args.stream, args.system)
         pid = str(proc.popen.pid)
         subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
-        send(port, args.requests, args.stream)
+        send(port, args.requests, args.stream, args.system)
         subprocess.run(["callgrind_control", "-i", "off", pid], check=True, capture_output=True)
         subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True)
         deadline = time.monotonic() + 60
         while True:
-            dumps = [p for p in tmp.glob(out.name + ".*") if p.stat().st_size]
+            dumps = [p for p in tmp.glob(f"{out.name}.{pid}*") if p.stat().st_size]
             totals = [int(m.group(1)) for p in dumps for m in [re.search(r"^totals: (\d+)",
                                                                           p.read_text(), re.M)] if m]
             if totals or time.monotonic() > deadline:
@@ -96,6 +104,10 @@ def main() -> None:
     ap.add_argument("--policy", default="least_loaded")
     ap.add_argument("--redis", action="store_true", help="shared state in a private redis-server")
     ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--backends", type=int, default=1,
+                    help="replicas (fake backends) in the config: the policy's cost grows with them")
+    ap.add_argument("--system", action="store_true",
+                    help="the overhead benchmark's wrk body (with a short system prompt) instead of a bare question")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--warmup", type=int, default=300)
     args = ap.parse_args()
@@ -103,23 +115,27 @@ def main() -> None:
         sys.exit("valgrind is missing: apt-get install -y valgrind")
     tmp = Path(tempfile.mkdtemp(prefix="instructions-"))
     redis = PrivateRedis().start() if args.redis else None
-    port = free_port()
-    backend_proc = spawn("backend", [sys.executable, "-m", "loadtest.fast_backend", "--port", str(port)], tmp)
-    backend = f"http://{HOST}:{port}"
-    results = {}
+    procs, backends = [], []
+    results: list[tuple[str, float]] = []
     try:
-        wait_ready(backend_proc, backend + "/health")
+        for i in range(args.backends):
+            port = free_port()
+            procs.append(spawn(f"backend{i}", [sys.executable, "-m", "loadtest.fast_backend", "--port", str(port)], tmp))
+            backends.append(f"http://{HOST}:{port}")
+            wait_ready(procs[-1], backends[-1] + "/health")
         for ref in [r.strip() for r in args.refs.split(",") if r.strip()]:
-            results[ref] = measure(ref, args, tmp, backend, redis.url if redis else None)
-            print(f"{ref:12} {results[ref]:12,.0f} instructions/request", file=sys.stderr, flush=True)
+            results.append((ref, measure(ref, args, tmp, backends, redis.url if redis else None)))
+            print(f"{ref:12} {results[-1][1]:12,.0f} instructions/request", file=sys.stderr, flush=True)
     finally:
-        backend_proc.stop()
+        for proc in procs:
+            proc.stop()
         if redis:
             redis.stop()
-    base = next(iter(results.values()), None)
+    base = results[0][1] if results else None
     print(f"\ninstructions per request: policy {args.policy}, redis {'on' if args.redis else 'off'}, "
-          f"{'stream' if args.stream else 'plain'}, {args.requests} requests after {args.warmup} warm-up")
-    for ref, value in results.items():
+          f"{'stream' if args.stream else 'plain'}{', system prompt' if args.system else ''}, {args.backends} "
+          f"replica(s), {args.requests} requests after {args.warmup} warm-up")
+    for ref, value in results:
         print(f"| {ref:12} | {value:12,.0f} | {value / base:.3f} |")
 
 

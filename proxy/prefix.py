@@ -28,8 +28,16 @@ class PrefixKey(NamedTuple):  # a tuple: built once per request, cheaper than a 
     pin_blocks: int  # how many leading chain entries lie inside the pinned (system) part
 
 
+_new_key = tuple.__new__  # PrefixKey(...) without the named tuple's own __new__ (a Python call)
+
+
+_BLAKE8 = blake2b(digest_size=8)  # copied per hash: cheaper than a constructor parsing its keyword
+
+
 def _h(data: bytes) -> int:
-    return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
+    h = _BLAKE8.copy()
+    h.update(data)
+    return int.from_bytes(h.digest(), "little")
 
 
 def media_digest(url: str) -> str:
@@ -150,7 +158,9 @@ def prefix_key(endpoint_is_chat: bool, data: dict[str, Any], seed: str, block: i
         text, system_end = render_chat(data)
     else:
         text, system_end = render_prompt(data.get("prompt")), 0
-    blocks = min(len(text) // block, max_blocks)
+    blocks = len(text) // block
+    if max_blocks < blocks:  # (min without the call: this runs on every request)
+        blocks = max_blocks
     if system_end > 0:
         pin_part = text[:system_end]
         cache_key: tuple[str, int, bytes] | None = (seed, block, pin_part)
@@ -167,7 +177,8 @@ def prefix_key(endpoint_is_chat: bool, data: dict[str, Any], seed: str, block: i
         pin, chain, previous = _chain(pin, chain, previous, text, blocks, block)
     elif blocks < len(chain):  # kept by a policy hashing more blocks
         chain = chain[:blocks]
-    return PrefixKey(pin, chain, min(system_end // block, len(chain)))
+    pin_blocks = system_end // block
+    return _new_key(PrefixKey, (pin, chain, pin_blocks if pin_blocks <= len(chain) else len(chain)))
 
 
 def _chain(pin: int, chain: tuple[int, ...], previous: bytes, text: bytes, blocks: int, block: int):
@@ -175,8 +186,13 @@ def _chain(pin: int, chain: tuple[int, ...], previous: bytes, text: bytes, block
     if blocks <= len(chain):
         return pin, chain, previous
     out = list(chain)
+    # per block, _h(previous + the block) without copying either (a long prompt has dozens)
+    view = memoryview(text)
+    copy, from_bytes = _BLAKE8.copy, int.from_bytes
     for start in range(len(chain) * block, blocks * block, block):
-        value = _h(previous + text[start : start + block])
-        out.append(value)
-        previous = value.to_bytes(8, "little")
+        h = copy()
+        h.update(previous)
+        h.update(view[start : start + block])
+        previous = h.digest()
+        out.append(from_bytes(previous, "little"))
     return pin, tuple(out), previous

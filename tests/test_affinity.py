@@ -88,6 +88,27 @@ def test_system_part_hashes_are_kept_without_changing_keys() -> None:
     assert bounded.used <= 10_000 and len(bounded.entries) == 20
 
 
+def test_prefix_key_values_follow_their_definition() -> None:
+    """Every proxy (and every version in a rolling upgrade) must compute the same keys: the pin is
+    blake2b-64 of (seed, NUL, the system part), block i's hash is blake2b-64 of (block i-1's hash, or
+    the seed's for the first, then block i), little-endian; whatever the code does to be fast."""
+    from hashlib import blake2b
+
+    def h(data: bytes) -> bytes:
+        return blake2b(data, digest_size=8).digest()
+
+    system, question = tenant(7) + "é", "und noch eine Frage " * 40
+    key = prefix_key(True, chat_request(system, question).data, MODEL, 64, 64)
+    text = f"\x1esystem\x1f{system}\x1euser\x1f{question}".encode()
+    system_end = len(f"\x1esystem\x1f{system}".encode())
+    head = MODEL.encode() + b"\x00"
+    previous, chain = h(head), []
+    for start in range(0, len(text) // 64 * 64, 64):
+        previous = h(previous + text[start:start + 64])
+        chain.append(int.from_bytes(previous, "little"))
+    assert key.pin == int.from_bytes(h(head + text[:system_end]), "little")
+    assert key.chain == tuple(chain) and key.pin_blocks == system_end // 64
+
 def test_independent_policies_agree_without_coordination() -> None:
     bs = backends(4)
     one, two = PrefixAffinity(AffinityConfig()), PrefixAffinity(AffinityConfig())
@@ -613,3 +634,23 @@ def test_a_new_population_of_chats_never_overloads_a_replica() -> None:
 
     assert worst({}) <= 1.10
     assert worst({"balance_window_requests": 0}) > 1.2  # without the guard (what it is for)
+
+
+def test_share_floor_bounds_both_estimates() -> None:
+    """The shrink check skips the tenants' share estimates when their cheap floor already rules a
+    shrink out: the floor must never exceed either estimate (tenants appearing late, going quiet,
+    coming back, the counts renormalising)."""
+    import random
+
+    policy = PrefixAffinity(AffinityConfig(window_requests=300.0))
+    tenants, rng, now = policy.tenants, random.Random(7), 0.0
+    pins = list(range(1, 30))
+    for step in range(20_000):
+        now += rng.choice((1.0, 1.0, 2.5))
+        pin = rng.choice(pins[: 3 + step // 1000])  # tenants keep appearing
+        tenants.note(pin, now, returning=rng.random() < 0.01)
+        if step % 7 == 0:
+            probe = rng.choice(pins)
+            floor = tenants.share_floor(probe, now)
+            assert floor <= tenants.estimate(probe, now)[0] and floor <= tenants.estimate(probe, now, True)[0]
+    assert tenants.share_floor(pins[0], now) > 0.0  # (a bound that is always 0 would prove nothing)

@@ -55,15 +55,16 @@ class Balance:
         """`chosen`, or the replica that takes this request instead; True when it was capped."""
         window = self._routes.get(route)
         n = len(candidates)
-        fleet = tuple(candidates)
-        if window is None or window.fleet != fleet:  # (the same replica objects: compared by identity)
+        # the same replica objects (compared by identity); usually the route's own tuple
+        if window is None or (window.fleet is not candidates and window.fleet != tuple(candidates)):
             names = tuple(b.name for b in candidates)
             if window is None or window.names != names:
                 window = self._routes[route] = Window(names, window)
-            window.fleet = fleet
+            window.fleet = tuple(candidates)
         counts = window.counts
-        proxies = max(proxies, 1.0)
-        size = max(int(self.per_replica * n / proxies), n)  # this proxy's part of the window
+        proxies = 1.0 if 1.0 > proxies else proxies  # (max and min as conditionals: this runs on every request)
+        size = int(self.per_replica * n / proxies)
+        size = n if n > size else size  # this proxy's part of the window
         filled = len(window.recent)
         # each proxy holds its own part to the cap: their slacks add up to one
         limit = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * filled / n + _SLACK / proxies

@@ -63,11 +63,17 @@ class LoadView:
         return self.loads((backend,))[0]
 
     def loads(self, candidates: Sequence[Backend]) -> list[int]:
-        """`load` of each candidate, in one pass (this runs on every request)."""
+        """`load` of each candidate, in one pass (this runs on every request: loops, as a
+        comprehension is a call, and one using locals of this function builds a closure)."""
         remote = self.shared.remote_load if self.shared is not None else None
+        out = []
         if not remote:
-            return [b.in_flight for b in candidates]
-        return [b.in_flight + remote.get(b.name, 0) for b in candidates]
+            for b in candidates:
+                out.append(b.in_flight)
+        else:
+            for b in candidates:
+                out.append(b.in_flight + remote.get(b.name, 0))
+        return out
 
     def smoothed(self, candidates: Sequence[Backend], now: float) -> list[float]:
         """Decayed routed counts over all proxies, per candidate; a replica that joined lately
@@ -75,13 +81,17 @@ class LoadView:
         down = 1.0 / self.routed.factor(now)
         mine = self.routed.scaled
         shared = self.shared
+        rates = []  # (loops, as in `loads`)
         if shared is not None and shared.remote_rate:
             remote = shared.remote_rate
-            age = max(self._wall() - shared.remote_rate_at, 0.0)
+            age = self._wall() - shared.remote_rate_at
+            age = 0.0 if 0.0 > age else age  # (max without the call)
             decay = math.exp(-age * self.rate / self.config.load_window_requests)
-            rates = [mine.get(b.name, 0.0) * down + remote.get(b.name, 0.0) * decay for b in candidates]
+            for b in candidates:
+                rates.append(mine.get(b.name, 0.0) * down + remote.get(b.name, 0.0) * decay)
         else:
-            rates = [mine.get(b.name, 0.0) * down for b in candidates]
+            for b in candidates:
+                rates.append(mine.get(b.name, 0.0) * down)
         if self.joined:
             self.ramp(candidates, rates, now)
         return rates
@@ -96,7 +106,9 @@ class LoadView:
         self.fleet_rate = total = sum(rates)
         local = self.routed.value(None, now)  # all this proxy routed, on the same window as `rates`
         if local >= 16.0:  # proxies sharing the traffic: the fleet's routed count over this proxy's
-            self.proxies += (min(max(total / local, 1.0), 64.0) - self.proxies) * 0.02
+            ratio = total / local  # clamped to [1, 64] (as min(max(...)), without two calls)
+            ratio = 1.0 if 1.0 > ratio else 64.0 if 64.0 < ratio else ratio
+            self.proxies += (ratio - self.proxies) * 0.02
         mean = (total + 1.0) / n
         cap = (1.0 + cfg.epsilon) * mean + cfg.load_slack * math.sqrt(mean)  # slack: the count's own noise
         qcap = math.ceil((1.0 + cfg.epsilon) * (sum(flights) + 1) / n) + cfg.queue_slack
@@ -108,7 +120,9 @@ class LoadView:
         recent = self.recent
         down = 1.0 / recent.factor(self.clock)
         scaled = recent.scaled
-        values = [scaled.get(b.name, 0.0) * down for b in candidates]
+        values = []  # (a loop, as in `loads`)
+        for b in candidates:
+            values.append(scaled.get(b.name, 0.0) * down)
         if self.joined:
             self.ramp(candidates, values, self.clock)
         return values

@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from proxy.config import AffinityConfig
+from proxy.config import AffinityConfig, Plain
 from proxy.parse import CHAT, ParsedRequest
 from proxy.prefix import prefix_key
 from proxy.routing.backends import Backend
@@ -35,6 +35,7 @@ class PrefixAffinity:
         """`timer`: where wall and monotonic time are read (`time()`, `monotonic()`): the time
         module, or a simulated clock in the offline benchmarks."""
         self.config = config
+        config = self._knobs = Plain(config)  # (the parts read it on every request)
         self.shared = shared
         self.index = PrefixIndex(config.index_blocks_per_backend)
         self._wall = timer.time
@@ -95,9 +96,9 @@ class PrefixAffinity:
         endpoint = request.endpoint
         if endpoint != CHAT and endpoint != _COMPLETIONS:
             return min(candidates, key=self.load), "least-loaded"
-        cfg = self.config
-        key = prefix_key(endpoint == CHAT, request.data, route.upstream_id, cfg.block_chars, cfg.max_blocks)
-        chain = key.chain
+        cfg = self._knobs
+        pin, chain, pin_blocks = prefix_key(endpoint == CHAT, request.data, route.upstream_id, cfg.block_chars,
+                                            cfg.max_blocks)
         shared = self.shared
         match = shared.longest(chain) if shared is not None else None
         if match is None:
@@ -105,16 +106,15 @@ class PrefixAffinity:
         wall = self._wall()
         now = self.view.tick(wall)
         where = self._positions(route.name, candidates, now)
-        self.table.note_prompt(key.pin_blocks)
+        self.table.note_prompt(pin_blocks)
         self.repair.check(candidates, now)
-        pin = key.pin
         tenants = self.tenants
         returning = self.placement.returning = pin in self.pins and tenants.idle(pin, now, wall)
-        chosen, reason = self.placement.decide(candidates, where, pin, key.pin_blocks, match, now, wall)
+        chosen, reason = self.placement.decide(candidates, where, pin, pin_blocks, match, now, wall)
         if self.balance is not None:
             entry = self.pins.get(pin)
             chosen, capped = self.balance.check(route.name, candidates, chosen, pin, entry[0] if entry else (),
-                                                match[1] == chosen.name and match[0] > key.pin_blocks, self.view.proxies)
+                                                match[1] == chosen.name and match[0] > pin_blocks, self.view.proxies)
             if capped:
                 reason = "balance"
         name = chosen.name
@@ -122,17 +122,19 @@ class PrefixAffinity:
         tenants.note(pin, now, returning)
         if len(tenants.rate.scaled) > self.table.forget_at:
             self.table.forget(now)
-        stale = self.index.record(chain, name, self._monotonic(), cfg.shared_ttl_s)
-        if shared is not None and stale:
-            shared.remember(stale, name)
+        if chain:
+            stale = self.index.record(chain, name, self._monotonic(), cfg.shared_ttl_s)
+            if shared is not None and stale:
+                shared.remember(stale, name)
         return chosen, reason
 
     def _positions(self, route: str, candidates: Sequence[Backend], now: float) -> dict[str, int]:
         """Replica name -> position in `candidates`; notes a change of the route's replicas."""
-        fleet = tuple(candidates)
         known = self._where.get(route)
-        if known is not None and known[0] == fleet:  # the same replica objects (compared by identity)
+        # the same replica objects (compared by identity); usually the route's own tuple
+        if known is not None and (known[0] is candidates or known[0] == tuple(candidates)):
             return known[1]
+        fleet = tuple(candidates)
         names = self._fleets.get(route)
         if names is None or len(names) != len(candidates) or any(a != b.name for a, b in zip(names, candidates)):
             self._membership(route, candidates, now)

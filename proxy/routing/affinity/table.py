@@ -48,7 +48,7 @@ class TenantTable:
             self.set(pin, members, now)
 
     def note_prompt(self, pin_blocks: int) -> None:
-        chars = max(pin_blocks, 1) * self.config.block_chars
+        chars = (1 if 1 > pin_blocks else pin_blocks) * self.config.block_chars  # (max without the call)
         self.prompt_chars += (chars - self.prompt_chars) * (0.01 if self.prompt_chars else 1.0)
 
     def capacity(self, backend: Backend, default):

@@ -18,6 +18,7 @@ from proxy.routing.affinity.store import Pins
 
 _PUBLISH_TENANTS = 16384  # tenants up to which this proxy shares its counts with the others' planner
 _GROW_SIGMAS = 2.5  # a set grows on the lower confidence bound of the tenant's share (Poisson)
+_FEW_TO_GROW = 0.96 * _GROW_SIGMAS ** 2  # decayed requests below which that bound is 0 (with room for rounding)
 _IDLE_GAPS = 6.0  # a tenant is idle after this many of its mean gaps without a request (P ~ e^-6 by chance)
 _IDLE_SIGMAS = 2.0  # ... of its mean gaps at the low end of its share (Poisson), so a light one is not dropped early
 _PRESENT_GAPS = 3.0  # the packing repair weighs a tenant silent for more of its mean gaps than this down
@@ -52,9 +53,11 @@ class TenantStats:
         fast.count(pin, up_fast)
         stats = seen[pin]
         whole = rscaled[None]
-        total = whole * _exposure(stats, 3, whole / up, rates.tau, now)
+        # (_exposure is 1 for a tenant that came first: skip the call)
+        total = whole if stats[3] <= 0.0 else whole * _exposure(stats, 3, whole / up, rates.tau, now)
         mine = rscaled[pin] / up  # decayed requests of this tenant
-        low = max(mine - _IDLE_SIGMAS * math.sqrt(mine), 0.0) * up / total
+        low = mine - _IDLE_SIGMAS * math.sqrt(mine)
+        low = (0.0 if 0.0 > low else low) * up / total  # (max(low, 0.0) without the call)
         seen[pin] = (stats[0], now, low, stats[3], stats[4])
 
     def idle(self, pin: int, now: float, wall: float) -> bool:
@@ -103,7 +106,24 @@ class TenantStats:
         total = whole * _exposure(stats, at, whole / up, counts.tau, now)
         if total <= 0.0:
             return 0.0, 0.0
-        return min(scaled.get(pin, 0.0) / total, 1.0), total / up
+        share = scaled.get(pin, 0.0) / total
+        return 1.0 if 1.0 < share else share, total / up  # (min(share, 1.0): min and max are costly calls)
+
+    def share_floor(self, pin: int, now: float) -> float:
+        """A lower bound on both `estimate`s' shares, without their exposure (an exp each): the
+        tenant's requests over all of this proxy's (an exposure is at most 1, so it only raises a
+        share; every step is monotonic in floating point too)."""
+        floor = 1.0
+        for counts in (self.rate, self.fast):
+            up = counts.factor(now)  # first: it may renormalise (replace) `scaled`
+            scaled = counts.scaled
+            whole = scaled.get(None, 0.0)
+            if whole < 1.0:  # (no bound from next to nothing)
+                return 0.0
+            share = scaled.get(pin, 0.0) / whole
+            if share < floor:
+                floor = share
+        return floor
 
     def current(self, pin: int, now: float) -> float:
         """The tenant's share over the window, or over its short window when that is clearly
@@ -125,9 +145,15 @@ class TenantStats:
         need = size * self.config.grow_fill
         stats = self.seen.get(pin)
         for counts, at in ((self.rate, 3), (self.fast, 4)):
+            # most tenants have too few requests for a low bound above 0: no estimate needed
+            # (`mine` below is at most its decayed requests, and mine - s sqrt(mine) <= 0 up to s^2)
+            up = counts.factor(now)  # first: it may renormalise (replace) `scaled`
+            if counts.scaled.get(pin, 0.0) < _FEW_TO_GROW * up:
+                continue
             share, seen = self._estimate(pin, now, counts, stats, at)
             mine = share * seen  # its requests (decayed); Poisson bound: a first request is not "100 %"
-            low = max(mine - _GROW_SIGMAS * math.sqrt(mine), 0.0) / max(seen, 1.0)
+            low = mine - _GROW_SIGMAS * math.sqrt(mine)
+            low = (0.0 if 0.0 > low else low) / (1.0 if 1.0 > seen else seen)
             if low * n >= need:
                 return True
         return False
@@ -175,4 +201,7 @@ def _exposure(stats: tuple | None, at: int, total: float, tau: float, now: float
     if before <= 0.0:
         return 1.0
     before = before * math.exp(-(now - stats[0]) / tau)
-    return max(1.0 - before / total, 1e-9) if total > 0.0 else 1.0
+    if total > 0.0:
+        part = 1.0 - before / total
+        return 1e-9 if 1e-9 > part else part
+    return 1.0

@@ -16,6 +16,7 @@ from proxy.routing.affinity.tenants import TenantStats
 
 log = logging.getLogger("vllm_proxy.affinity")
 
+_OVERFLOW_GROW = 0.75  # a tenant over the balance cap grows when its share x replicas is this much of its set
 _PLACE_CHOICES = 8  # equally acceptable replicas offered to the shared table for a new tenant
 
 
@@ -191,6 +192,16 @@ class Placement:
             return chosen, "spill"
         rates = self.load.smoothed(inside, now)
         return inside[min(range(len(inside)), key=rates.__getitem__)], "pinned"
+
+    def overflowed(self, pin: int, members: tuple[str, ...], to: str, n: int, now: float) -> None:
+        """The balance guard sent this tenant's request to `to`, outside its set: a tenant whose own
+        traffic is a large part of what its replicas take grows by it, so its later requests share two
+        caches holding its prompt instead of overflowing one at a time to wherever there is room."""
+        if self.store.up and self.tenants.current(pin, now) * n >= _OVERFLOW_GROW * len(members):
+            new = self.store.change(pin, members, members + (to,))
+            if new is not None:
+                self.table.changed_by_store(pin, now)
+                log.info("tenant %016x overflows: its set is now %s", pin, ",".join(new))
 
     def _rendezvous(self, candidates: Sequence[Backend], pin: int, now: float) -> tuple[Backend, str]:
         """Stateless fallback: the pin's rendezvous order, first replica under the bound."""

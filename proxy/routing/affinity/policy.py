@@ -45,7 +45,8 @@ class PrefixAffinity:
         self.tenants = TenantStats(config, self.view, self.pins)
         self.table = TenantTable(config, self.store, self.tenants, timer.time)
         self.repair = Repair(config, self.view, self.tenants, self.table, self.store, timer.time)
-        self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack)
+        self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack,
+                                config.load_window_requests)
                         if config.balance_window_requests else None)
         self.placement = Placement(config, self.view, self.tenants, self.table, self.store, self.repair.soon)
         # route -> replica names of its last request; and (its replicas, name -> position) to
@@ -113,10 +114,14 @@ class PrefixAffinity:
         chosen, reason = self.placement.decide(candidates, where, pin, key.pin_blocks, match, now, wall)
         if self.balance is not None:
             entry = self.pins.get(pin)
+            owner = match[1] if match[0] >= key.pin_blocks else None  # where its prompt is cached, if known
             chosen, capped = self.balance.check(route.name, candidates, chosen, pin, entry[0] if entry else (),
-                                                match[1] == chosen.name and match[0] > key.pin_blocks, self.view.proxies)
+                                                owner == chosen.name and match[0] > key.pin_blocks, self.view.proxies,
+                                                now, shared.remote_rate if shared is not None else None, owner)
             if capped:
                 reason = "balance"
+                if entry is not None and chosen.name not in entry[0] and self.balance.settled(route.name, pin):
+                    self.placement.overflowed(pin, entry[0], chosen.name, len(candidates), now)
         name = chosen.name
         self.view.count(name, now)
         tenants.note(pin, now, returning)

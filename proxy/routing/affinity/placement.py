@@ -97,7 +97,7 @@ class Placement:
                 if chosen.name not in members and rates[where[chosen.name]] + 1 <= cap:
                     return self._propose(pin, members, members + (chosen.name,), chosen, "pinned")
             if len(members) > 1:
-                self._maybe_shrink(pin, members, n, now)
+                self._maybe_shrink(pin, members, stamp, wall, n, now)
             return candidates[best], "pinned"
         # A tenant grows only when its own traffic needs more replicas than it has (a copy of its
         # prompt elsewhere costs misses and cache space) and once enough history says so: while
@@ -216,14 +216,17 @@ class Placement:
                 return backend, "pinned" if rank == 0 else "spill"
         return order[0], "pinned"
 
-    def _maybe_shrink(self, pin: int, members: tuple[str, ...], n: int, now: float) -> None:
+    def _maybe_shrink(self, pin: int, members: tuple[str, ...], stamp: float, wall: float, n: int,
+                      now: float) -> None:
         """Drop the last member once the tenant's traffic fits in one replica less (with
-        hysteresis below the growth threshold), and its set has not changed for cool_down_requests."""
+        hysteresis below the growth threshold), and its set has not changed for cool_down_requests:
+        here, nor in the table (`stamp`, its last write: another proxy may have grown it just now)."""
         changed = self.table.changed.get(pin)
         if changed is None:
             self.table.changed[pin] = now
             return
-        if now - changed < self.config.cool_down_requests:
+        cool = self.config.cool_down_requests
+        if now - changed < cool or (wall - stamp) * self.load.rate < cool:
             return
         tenants = self.tenants
         share = min(tenants.estimate(pin, now)[0], tenants.estimate(pin, now, True)[0])  # cooling shows in either

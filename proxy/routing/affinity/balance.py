@@ -88,9 +88,14 @@ class Balance:
         if remote and proxies > 1.05:
             if remote is not window.seen:  # a new reading (proxy/shared.py replaces the dict on each sync)
                 self._read(window, remote, now, size * proxies)
+            # what the others routed since the last reading is not in it yet (a sync interval:
+            # a dozen requests at 150/s): counted as spread like the rest of their window
+            total = window.other_total
+            lag = max(now - window.seen_at, 0.0) * (proxies - 1.0) / proxies
+            scale = 1.0 + lag / total if total > 0.0 else 1.0
             others = window.other_counts
-            limit = loose * (filled + window.other_total) / n + _SLACK
-            mine = counts[chosen.name] + max(others[chosen.name], 0.0)
+            limit = loose * (filled + total * scale) / n + _SLACK
+            mine = counts[chosen.name] + max(others[chosen.name], 0.0) * scale
         else:
             # one proxy, or nothing heard from the others: each holds its own part to the cap
             if window.seen is not None:
@@ -100,7 +105,7 @@ class Balance:
             mine = counts[chosen.name]
         capped = mine + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0)
         if capped:
-            load = counts if others is None else {k: counts[k] + max(others[k], 0.0) for k in window.names}
+            load = counts if others is None else {k: counts[k] + max(others[k], 0.0) * scale for k in window.names}
             chosen = self._instead(window, load, candidates, pin, members, limit, cached)
         name = chosen.name
         counts[name] += 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 import asyncio
-import math
 import time
 
 import httpx
@@ -616,38 +615,6 @@ def test_a_new_population_of_chats_never_overloads_a_replica() -> None:
     assert worst({"balance_window_requests": 0}) > 1.2  # without the guard (what it is for)
 
 
-def test_balance_guard_with_several_proxies_caps_the_fleet_window_not_its_own_third() -> None:
-    """With three proxies each caps the fleet's window: its own decisions plus what the others
-    routed (increments of their published smoothed counts between two readings). A replica the
-    others filled is capped here though this proxy sent it only its part; a replica this proxy
-    sent more than its part, while the fleet is balanced, is not (its own third is sampling noise)."""
-    from proxy.routing.affinity.balance import Balance
-
-    bs = backends(4)
-    names = [b.name for b in bs]
-
-    def guard(own: list[int], others: dict[str, float]) -> tuple[str, bool]:
-        balance = Balance(200.0, 0.03, 0.1, 1000.0)
-        baseline = dict.fromkeys(names, 100.0)  # the first reading is a baseline only
-        for k, i in enumerate(own):
-            balance.check(MODEL, bs, bs[i], 1000 + k, (names[i],), False, 3.0, 3.0 * k, baseline)
-        now = 3.0 * len(own)
-        decay = math.exp(-now / 1000.0)
-        reading = {name: 100.0 * decay + others.get(name, 0.0) for name in names}
-        chosen, capped = balance.check(MODEL, bs, bs[0], 7, (names[0],), False, 3.0, now, reading)
-        return chosen.name, capped
-
-    even = [k % 4 for k in range(300)]
-    # the others sent 400 requests to gpu-0 alone: capped here at this proxy's even share
-    assert guard(even, {"gpu-0": 400.0}) == ("gpu-1", True)
-    # this proxy sent gpu-0 a third more than its part, the others less: the fleet is balanced
-    skewed = [0 if k % 3 == 0 else 1 + k % 3 for k in range(300)]  # gpu-0 takes ~1/3 of these
-    assert guard(skewed, {"gpu-0": 100.0, "gpu-1": 150.0, "gpu-2": 150.0, "gpu-3": 230.0}) == ("gpu-0", False)
-    # without the others' readings this proxy holds its own part: it overflowed some of those
-    balance = Balance(200.0, 0.03, 0.1, 1000.0)
-    assert sum(balance.check(MODEL, bs, bs[i], 1000 + k, (names[i],), False, 3.0)[1] for k, i in enumerate(skewed)) > 0
-
-
 def test_a_tenant_the_guard_caps_twice_grows_by_its_overflow_replica_if_its_traffic_is_large() -> None:
     """The guard overflowing a tenant's requests one at a time scatters its prompt; a tenant capped
     a second time (its traffic, not chance) whose share is a large part of its replicas grows its
@@ -656,7 +623,7 @@ def test_a_tenant_the_guard_caps_twice_grows_by_its_overflow_replica_if_its_traf
 
     bs = backends(4)
     names = [b.name for b in bs]
-    balance = Balance(200.0, 0.03, 0.1, 1000.0)
+    balance = Balance(200.0, 0.03, 0.1)
     for k in range(801):  # the window filled, its last quarter all for gpu-0: at the cap
         balance.check(MODEL, bs, bs[1 + k % 3] if k < 570 else bs[0], 1000 + k, (), False, 1.0)
     hot = 7

@@ -45,8 +45,7 @@ class PrefixAffinity:
         self.tenants = TenantStats(config, self.view, self.pins)
         self.table = TenantTable(config, self.store, self.tenants, timer.time)
         self.repair = Repair(config, self.view, self.tenants, self.table, self.store, timer.time)
-        self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack,
-                                config.load_window_requests)
+        self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack)
                         if config.balance_window_requests else None)
         self.placement = Placement(config, self.view, self.tenants, self.table, self.store, self.repair.soon)
         # route -> replica names of its last request; and (its replicas, name -> position) to
@@ -117,7 +116,7 @@ class PrefixAffinity:
             owner = match[1] if match[0] >= key.pin_blocks else None  # where its prompt is cached, if known
             chosen, capped = self.balance.check(route.name, candidates, chosen, pin, entry[0] if entry else (),
                                                 owner == chosen.name and match[0] > key.pin_blocks, self.view.proxies,
-                                                now, shared.remote_rate if shared is not None else None, owner)
+                                                owner)
             if capped:
                 reason = "balance"
                 if entry is not None and chosen.name not in entry[0] and self.balance.settled(route.name, pin):

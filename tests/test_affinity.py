@@ -654,3 +654,32 @@ def test_share_floor_bounds_both_estimates() -> None:
             floor = tenants.share_floor(probe, now)
             assert floor <= tenants.estimate(probe, now)[0] and floor <= tenants.estimate(probe, now, True)[0]
     assert tenants.share_floor(pins[0], now) > 0.0  # (a bound that is always 0 would prove nothing)
+
+
+def test_a_tenant_the_guard_caps_twice_grows_by_its_overflow_replica_if_its_traffic_is_large() -> None:
+    """The guard overflowing a tenant's requests one at a time scatters its prompt; a tenant capped
+    a second time (its traffic, not chance) whose share is a large part of its replicas grows its
+    set by the replica it overflowed to; a small one does not."""
+    from proxy.routing.affinity.balance import Balance
+
+    bs = backends(4)
+    names = [b.name for b in bs]
+    balance = Balance(200.0, 0.03, 0.1)
+    for k in range(801):  # the window filled, its last quarter all for gpu-0: at the cap
+        balance.check(MODEL, bs, bs[1 + k % 3] if k < 570 else bs[0], 1000 + k, (), False, 1.0)
+    hot = 7
+    chosen, capped = balance.check(MODEL, bs, bs[0], hot, (names[0],), False, 1.0)
+    assert capped and not balance.settled(MODEL, hot)  # once may be chance
+    again, capped = balance.check(MODEL, bs, bs[0], hot, (names[0],), False, 1.0)
+    assert capped and again is chosen and balance.settled(MODEL, hot)
+
+    clock = ManualClock()
+    policy = PrefixAffinity(AffinityConfig(), timer=clock)
+    tenants = [f"tenant g{i} " * 40 for i in range(6)]
+    drive(policy, bs, tenants, [5, 1, 1, 1, 1, 1], 400)
+    for system, grows in ((tenants[0], True), (tenants[1], False)):
+        pin = pin_of(system)
+        home = policy.pins[pin][0][:1]
+        other = next(n for n in names if n not in policy.pins[pin][0])
+        policy.placement.overflowed(pin, home, other, len(bs), policy.clock)
+        assert (policy.pins[pin][0] == home + (other,)) is grows

@@ -8,7 +8,9 @@ every decision: over the last `balance_window_requests` x replicas requests (cou
 proxies, like every memory of the policy), no replica takes more than
 (1 + balance_epsilon) x mean + 10 of them. A request whose choice would break that goes to a replica
 of its tenant's set under the cap, else to the replica this tenant overflowed to last (so its
-prompt is cached in one more place, not scattered), else to the replica with the fewest.
+prompt is cached in one more place, not scattered; first where the prefix index says its prompt
+is), else to the replica with the fewest. A tenant capped twice whose traffic is a large part
+of its replicas grows by the overflow replica (`settled`, placement.py `overflowed`).
 A continuation is allowed `continuation_slack` more (its own turns are cached where it goes).
 
 The window starts empty when the route's replicas change (the mean changes with them) and is
@@ -28,7 +30,7 @@ _FILLING = 0.3  # extra relative headroom while the window fills (falls linearly
 class Window:
     """One route's recent decisions: replica name -> how many of the last `size`."""
 
-    __slots__ = ("names", "fleet", "recent", "counts", "overflow", "filling")
+    __slots__ = ("names", "fleet", "recent", "counts", "overflow", "filling", "size", "again")
 
     def __init__(self, names: tuple[str, ...], before: "Window | None" = None) -> None:
         self.names = names
@@ -39,6 +41,8 @@ class Window:
         # route's replicas the placement already knows its tenants
         self.filling = _FILLING if before is None else 0.0
         self.overflow: dict[int, str] = {}  # tenant pin -> replica it last overflowed to
+        self.size = 0  # this proxy's part of the window, as of the last decision
+        self.again: int | None = None  # the tenant of the last overflow, if it had overflowed before
 
 
 class Balance:
@@ -51,8 +55,10 @@ class Balance:
         self._routes: dict[str, Window] = {}
 
     def check(self, route: str, candidates: Sequence[Backend], chosen: Backend, pin: int,
-              members: Sequence[str], continuation: bool, proxies: float) -> tuple[Backend, bool]:
-        """`chosen`, or the replica that takes this request instead; True when it was capped."""
+              members: Sequence[str], continuation: bool, proxies: float,
+              cached: str | None = None) -> tuple[Backend, bool]:
+        """`chosen`, or the replica that takes this request instead; True when it was capped.
+        `cached`: the replica the prefix index says holds the tenant's prompt, if any."""
         window = self._routes.get(route)
         n = len(candidates)
         # the same replica objects (compared by identity); usually the route's own tuple
@@ -66,11 +72,12 @@ class Balance:
         size = int(self.per_replica * n / proxies)
         size = n if n > size else size  # this proxy's part of the window
         filled = len(window.recent)
+        window.size = size
         # each proxy holds its own part to the cap: their slacks add up to one
         limit = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * filled / n + _SLACK / proxies
         capped = counts[chosen.name] + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0)
         if capped:
-            chosen = self._instead(window, candidates, pin, members, limit)
+            chosen = self._instead(window, candidates, pin, members, limit, cached)
         name = chosen.name
         counts[name] += 1
         recent = window.recent
@@ -79,9 +86,16 @@ class Balance:
             counts[recent.popleft()] -= 1
         return chosen, capped
 
+    def settled(self, route: str, pin: int) -> bool:
+        """The tenant overflowed before, and the route's window is past a fresh start's filling
+        (its cap is the real one): its traffic, not chance, meets the cap."""
+        window = self._routes.get(route)
+        return (window is not None and window.again == pin
+                and (not window.filling or len(window.recent) >= window.size))
+
     @staticmethod
     def _instead(window: Window, candidates: Sequence[Backend], pin: int, members: Sequence[str],
-                 limit: float) -> Backend:
+                 limit: float, cached: str | None) -> Backend:
         counts = window.counts
         under = [b for b in candidates if counts[b.name] + 1 <= limit]
         if not under:
@@ -90,6 +104,9 @@ class Balance:
         if own:
             return min(own, key=lambda b: counts[b.name])
         last = window.overflow.get(pin)
+        window.again = pin if last is not None else None
+        # where its prompt is (every proxy's index agrees through Redis; its overflow memory is its own)
+        last = cached if any(b.name == cached for b in under) else last
         chosen = next((b for b in under if b.name == last), None) or min(under, key=lambda b: counts[b.name])
         if len(window.overflow) > 4 * len(candidates) + 1024:
             window.overflow.clear()  # bounded: the tenants of long ago need no memory here

@@ -16,6 +16,7 @@ from proxy.routing.affinity.tenants import TenantStats
 
 log = logging.getLogger("vllm_proxy.affinity")
 
+_OVERFLOW_GROW = 0.75  # a tenant over the balance cap grows when its share x replicas is this much of its set
 _PLACE_CHOICES = 8  # equally acceptable replicas offered to the shared table for a new tenant
 
 
@@ -96,7 +97,7 @@ class Placement:
                 if chosen.name not in members and rates[where[chosen.name]] + 1 <= cap:
                     return self._propose(pin, members, members + (chosen.name,), chosen, "pinned")
             if len(members) > 1:
-                self._maybe_shrink(pin, members, n, now)
+                self._maybe_shrink(pin, members, stamp, wall, n, now)
             return candidates[best], "pinned"
         # A tenant grows only when its own traffic needs more replicas than it has (a copy of its
         # prompt elsewhere costs misses and cache space) and once enough history says so: while
@@ -192,6 +193,16 @@ class Placement:
         rates = self.load.smoothed(inside, now)
         return inside[min(range(len(inside)), key=rates.__getitem__)], "pinned"
 
+    def overflowed(self, pin: int, members: tuple[str, ...], to: str, n: int, now: float) -> None:
+        """The balance guard sent this tenant's request to `to`, outside its set: a tenant whose own
+        traffic is a large part of what its replicas take grows by it, so its later requests share two
+        caches holding its prompt instead of overflowing one at a time to wherever there is room."""
+        if self.store.up and self.tenants.current(pin, now) * n >= _OVERFLOW_GROW * len(members):
+            new = self.store.change(pin, members, members + (to,))
+            if new is not None:
+                self.table.changed_by_store(pin, now)
+                log.info("tenant %016x overflows: its set is now %s", pin, ",".join(new))
+
     def _rendezvous(self, candidates: Sequence[Backend], pin: int, now: float) -> tuple[Backend, str]:
         """Stateless fallback: the pin's rendezvous order, first replica under the bound."""
         cfg = self.config
@@ -205,14 +216,17 @@ class Placement:
                 return backend, "pinned" if rank == 0 else "spill"
         return order[0], "pinned"
 
-    def _maybe_shrink(self, pin: int, members: tuple[str, ...], n: int, now: float) -> None:
+    def _maybe_shrink(self, pin: int, members: tuple[str, ...], stamp: float, wall: float, n: int,
+                      now: float) -> None:
         """Drop the last member once the tenant's traffic fits in one replica less (with
-        hysteresis below the growth threshold), and its set has not changed for cool_down_requests."""
+        hysteresis below the growth threshold), and its set has not changed for cool_down_requests:
+        here, nor in the table (`stamp`, its last write: another proxy may have grown it just now)."""
         changed = self.table.changed.get(pin)
         if changed is None:
             self.table.changed[pin] = now
             return
-        if now - changed < self.config.cool_down_requests:
+        cool = self.config.cool_down_requests
+        if now - changed < cool or (wall - stamp) * self.load.rate < cool:
             return
         tenants = self.tenants
         below = (len(members) - 1) * self.config.grow_fill * 0.75

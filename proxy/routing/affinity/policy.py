@@ -113,10 +113,14 @@ class PrefixAffinity:
         chosen, reason = self.placement.decide(candidates, where, pin, pin_blocks, match, now, wall)
         if self.balance is not None:
             entry = self.pins.get(pin)
+            owner = match[1] if match[0] >= pin_blocks else None  # where its prompt is cached, if known
             chosen, capped = self.balance.check(route.name, candidates, chosen, pin, entry[0] if entry else (),
-                                                match[1] == chosen.name and match[0] > pin_blocks, self.view.proxies)
+                                                owner == chosen.name and match[0] > pin_blocks, self.view.proxies,
+                                                owner)
             if capped:
                 reason = "balance"
+                if entry is not None and chosen.name not in entry[0] and self.balance.settled(route.name, pin):
+                    self.placement.overflowed(pin, entry[0], chosen.name, len(candidates), now)
         name = chosen.name
         self.view.count(name, now)
         tenants.note(pin, now, returning)

@@ -82,10 +82,16 @@ async def test_a_runtime_stops_every_task_it_started_and_a_reload_keeps_the_proc
 
 
 async def _until(condition, what: str, timeout_s: float = 30.0) -> None:
-    """Wait for a condition the background loops bring about (bounded, generous: CI is loaded)."""
+    """Wait for a condition the background loops bring about (bounded, generous: CI is loaded).
+    `condition` may be async."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while not condition():
+    while True:
+        met = condition()
+        if asyncio.iscoroutine(met):
+            met = await met
+        if met:
+            return
         assert loop.time() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.01)
 
@@ -116,11 +122,7 @@ async def test_a_reload_hands_the_redis_mirror_over_with_its_loops_running(redis
     client = redis.Redis.from_url(redis_url)
     try:  # the flusher still writes: a placement made after the hand-over reaches Redis
         shared.place(0xABC, [("gpu-0", 0)])
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while not await client.hget(PINS_KEY, f"{0xABC:016x}"):
-            assert loop.time() < deadline, "the placement never reached Redis"
-            await asyncio.sleep(0.01)
+        await _until(lambda: client.hget(PINS_KEY, f"{0xABC:016x}"), "the placement reaching Redis")
 
         third = Runtime(parse_config({**base, "routing": {"policy": "least_loaded"}}), previous=second)
         assert not third.routing_kept and third.shared is not shared

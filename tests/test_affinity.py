@@ -441,8 +441,9 @@ def test_the_same_sequence_routes_the_same_at_any_request_rate() -> None:
 
 
 def drive(policy: PrefixAffinity, bs: list[Backend], tenants: list[str], weights: list[float], count: int,
-          seed: int = 0) -> list[tuple[str, str, str]]:
-    """`count` single-turn requests of `tenants` (by weight); (tenant, replica, reason) of each."""
+          seed: int = 0, clock: ManualClock | None = None, step_s: float = 1e-4) -> list[tuple[str, str, str]]:
+    """`count` single-turn requests of `tenants` (by weight); (tenant, replica, reason) of each;
+    `clock` (the policy's) advances `step_s` a request."""
     import random
 
     rng = random.Random(seed)
@@ -451,6 +452,8 @@ def drive(policy: PrefixAffinity, bs: list[Backend], tenants: list[str], weights
         who = rng.choices(tenants, weights)[0]
         name, reason = pick(policy, bs, chat_request(who, f"question {seed} {k}"))
         out.append((who, name, reason))
+        if clock is not None:
+            clock.advance(step_s)
     return out
 
 
@@ -478,18 +481,24 @@ def test_tenants_that_stop_sending_stop_counting_within_requests() -> None:
     assert policy.tenant_rate.value(back, policy.clock) == pytest.approx(1.0)  # counted from scratch
 
 
-def test_a_tenant_turning_hot_grows_within_hundreds_of_requests_and_shrinks_back() -> None:
+@pytest.mark.parametrize("late_slowdown", [False, True])
+def test_a_tenant_turning_hot_grows_within_hundreds_of_requests_and_shrinks_back(late_slowdown: bool) -> None:
+    """Counted in requests whatever the machine's pace: with the request rate falling 100x late
+    in the cool-down (a loaded machine), the set still shrinks cool_down_requests after it grew."""
     bs = backends(4)
-    policy = PrefixAffinity(AffinityConfig())
+    clock = ManualClock()
+    policy = PrefixAffinity(AffinityConfig(), timer=clock)
     light = [f"light tenant {i} " * 40 for i in range(10)]
     hot = "the hot tenant " * 40
-    drive(policy, bs, light + [hot], [1.0] * 10 + [0.2], 400)  # hot is 2 % of the traffic
+    drive(policy, bs, light + [hot], [1.0] * 10 + [0.2], 400, clock=clock)  # hot is 2 % of the traffic
     assert len(policy.pins[pin_of(hot)][0]) == 1
-    drive(policy, bs, light + [hot], [1.0] * 10 + [10.0], 300, seed=1)  # now 50 %
+    drive(policy, bs, light + [hot], [1.0] * 10 + [10.0], 300, seed=1, clock=clock)  # now 50 %
     grown = policy.pins[pin_of(hot)][0]
     assert len(grown) >= 2
     # cools down again: its set shrinks cool_down_requests (1000) after it grew
-    drive(policy, bs, light + [hot], [1.0] * 10 + [0.2], 1200, seed=2)
+    drive(policy, bs, light + [hot], [1.0] * 10 + [0.2], 700, seed=2, clock=clock)
+    drive(policy, bs, light + [hot], [1.0] * 10 + [0.2], 500, seed=3, clock=clock,
+          step_s=1e-2 if late_slowdown else 1e-4)
     assert len(policy.pins[pin_of(hot)][0]) == 1
 
 

@@ -97,7 +97,7 @@ class Placement:
                 if chosen.name not in members and rates[where[chosen.name]] + 1 <= cap:
                     return self._propose(pin, members, members + (chosen.name,), chosen, "pinned")
             if len(members) > 1:
-                self._maybe_shrink(pin, members, stamp, wall, n, now)
+                self._maybe_shrink(pin, members, n, now)
             return candidates[best], "pinned"
         # A tenant grows only when its own traffic needs more replicas than it has (a copy of its
         # prompt elsewhere costs misses and cache space) and once enough history says so: while
@@ -216,17 +216,21 @@ class Placement:
                 return backend, "pinned" if rank == 0 else "spill"
         return order[0], "pinned"
 
-    def _maybe_shrink(self, pin: int, members: tuple[str, ...], stamp: float, wall: float, n: int,
-                      now: float) -> None:
+    def _maybe_shrink(self, pin: int, members: tuple[str, ...], n: int, now: float) -> None:
         """Drop the last member once the tenant's traffic fits in one replica less (with
-        hysteresis below the growth threshold), and its set has not changed for cool_down_requests:
-        here, nor in the table (`stamp`, its last write: another proxy may have grown it just now)."""
-        changed = self.table.changed.get(pin)
-        if changed is None:
-            self.table.changed[pin] = now
+        hysteresis below the growth threshold), and its set has not changed for cool_down_requests
+        as this proxy saw it: a set that differs from the one seen last (another proxy grew it, a
+        repair moved it) counts as changed now. (Not by the table's wall-time stamp: wall time
+        over the current request rate is no request count when the rate varies, and a refresh of
+        the same set rewrites the stamp.)"""
+        table = self.table
+        changed = table.changed.get(pin)
+        if changed is None or table.shrink_seen.get(pin) != members:
+            if changed is None or table.shrink_seen.get(pin) is not None:
+                table.changed[pin] = now
+            table.shrink_seen[pin] = members
             return
-        cool = self.config.cool_down_requests
-        if now - changed < cool or (wall - stamp) * self.load.rate < cool:
+        if now - changed < self.config.cool_down_requests:
             return
         tenants = self.tenants
         below = (len(members) - 1) * self.config.grow_fill * 0.75

@@ -22,6 +22,7 @@ class TenantTable:
         self.pins = store.pins
         self.tenants = tenants
         self.changed: dict[int, float] = {}  # pin -> clock when its set last changed (as seen here)
+        self.shrink_seen: dict[int, tuple[str, ...]] = {}  # pin -> its set as the shrink check saw it last
         self.came_from: dict[int, tuple[str, float]] = {}  # pin -> (replica, clock) of its last repair move
         self.epoch = 0  # bumped on every table change made here
         self.forget_at = min(1024, config.max_tenants)  # rate-table size that triggers `forget`
@@ -92,6 +93,7 @@ class TenantTable:
             for pin in recent[:len(pins) - cfg.max_tenants * 9 // 10]:
                 del pins[pin]
         self.changed = {p: t for p, t in self.changed.items() if p in pins}
+        self.shrink_seen = {p: m for p, m in self.shrink_seen.items() if p in pins}
         self.came_from = {p: v for p, v in self.came_from.items() if p in pins}
         tenants.keep(pins)
         self.epoch += 1

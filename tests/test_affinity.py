@@ -465,19 +465,20 @@ def test_tenants_that_stop_sending_stop_counting_within_requests() -> None:
     """A population that leaves stops steering placement within a few hundred requests (not a
     TTL); one of its tenants that comes back is placed again and counted from scratch."""
     bs = backends(4)
-    policy = PrefixAffinity(AffinityConfig())
+    clock = ManualClock()  # (decisions must not depend on how fast a loaded machine runs)
+    policy = PrefixAffinity(AffinityConfig(), timer=clock)
     old = [f"old tenant {i} " * 40 for i in range(8)]
     new = [f"new tenant {i} " * 40 for i in range(8)]
-    drive(policy, bs, old, [1.0] * 8, 600)
+    drive(policy, bs, old, [1.0] * 8, 600, clock=clock)
     assert sum(policy.table.counts(policy.clock).values()) == 8
-    drive(policy, bs, new, [1.0] * 8, 300, seed=1)
+    drive(policy, bs, new, [1.0] * 8, 300, seed=1, clock=clock)
     counts = policy.table.counts(policy.clock)
     assert sum(counts.values()) == 8  # only the new population counts
     now = policy.clock
-    assert all(policy.tenants.idle(pin_of(t), now, time.time()) for t in old)
+    assert all(policy.tenants.idle(pin_of(t), now, clock.now) for t in old)
     back = pin_of(old[0])
     pick(policy, bs, chat_request(old[0], "I am back"))
-    assert not policy.tenants.idle(back, policy.clock, time.time())
+    assert not policy.tenants.idle(back, policy.clock, clock.now)
     assert policy.tenant_rate.value(back, policy.clock) == pytest.approx(1.0)  # counted from scratch
 
 
@@ -504,9 +505,10 @@ def test_a_tenant_turning_hot_grows_within_hundreds_of_requests_and_shrinks_back
 
 def test_a_replica_that_leaves_rehomes_only_its_tenants_and_gets_none_back() -> None:
     bs = backends(4)
-    policy = PrefixAffinity(AffinityConfig())
+    clock = ManualClock()
+    policy = PrefixAffinity(AffinityConfig(), timer=clock)
     tenants = [f"tenant of the fleet {i} " * 40 for i in range(24)]
-    drive(policy, bs, tenants, [1.0] * 24, 480)
+    drive(policy, bs, tenants, [1.0] * 24, 480, clock=clock)
     homes = {t: policy.pins[pin_of(t)][0] for t in tenants}
     policy.repair.plan = lambda *args: []  # the packing repair may even out afterwards; re-homing alone is checked
     left = bs[1]
@@ -519,7 +521,7 @@ def test_a_replica_that_leaves_rehomes_only_its_tenants_and_gets_none_back() -> 
             assert left.name not in after[t] and after[t]
         else:
             assert after[t] == homes[t]  # nobody else moved
-    drive(policy, bs, tenants, [1.0] * 24, 48, seed=3)  # it comes back: no flapping onto it
+    drive(policy, bs, tenants, [1.0] * 24, 48, seed=3, clock=clock)  # it comes back: no flapping onto it
     assert all(left.name not in policy.pins[pin_of(t)][0] or left.name not in homes[t] for t in tenants)
 
 
@@ -528,13 +530,14 @@ def test_a_replica_that_joins_is_filled_gradually() -> None:
     window): the others do not all look over the bound at once, and it does not take every new
     tenant while its traffic is still zero."""
     bs = backends(5)
-    policy = PrefixAffinity(AffinityConfig())
+    clock = ManualClock()
+    policy = PrefixAffinity(AffinityConfig(), timer=clock)
     tenants = [f"tenant before the join {i} " * 40 for i in range(16)]
-    drive(policy, bs[:4], tenants, [1.0] * 16, 600)
+    drive(policy, bs[:4], tenants, [1.0] * 16, 600, clock=clock)
     rates = policy.smoothed(bs, policy.clock)
     assert rates[4] == 0.0
     newcomers = [f"tenant after the join {i} " * 40 for i in range(20)]
-    served = drive(policy, bs, tenants + newcomers, [1.0] * 36, 40, seed=4)
+    served = drive(policy, bs, tenants + newcomers, [1.0] * 36, 40, seed=4, clock=clock)
     rates = policy.smoothed(bs, policy.clock)
     assert rates[4] >= 0.8 * sum(rates[:4]) / 4  # ramped, not zero
     assert sum(1 for _, name, reason in served if name == "gpu-4" and reason == "spill") == 0

@@ -74,6 +74,9 @@ class _JsonFormatter(logging.Formatter):
         return orjson.dumps(line).decode()
 
 
+_CHATTY = ("httpx", "httpcore")
+
+
 def configure(level: str = "info", fmt: str = "text", role: str | None = None) -> None:
     """Install the handler on the root logger (replacing any), and remember level and format in
     the environment for worker processes started later. `role`: how lines name this process
@@ -90,6 +93,10 @@ def configure(level: str = "info", fmt: str = "text", role: str | None = None) -
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # the control plane's client logs every poll and scrape at INFO (a line per replica every few
+    # seconds): request detail, shown at debug only
+    for name in _CHATTY:
+        logging.getLogger(name).setLevel(logging.NOTSET if level.lower() == "debug" else logging.WARNING)
 
 
 def configure_worker(index: int) -> None:

@@ -56,20 +56,21 @@ _MIRROR_BLOCKS = 262144  # prefix entries mirrored (an LRU): enough for every re
 _EXPIRE_EVERY_S = 10.0  # how often expired placements are dropped
 
 # One batch of changes, atomically, then one stream entry naming what changed. ARGV: proxy id,
-# stamp, stream max length, index entries (JSON or ''), counted-table size, then operations
-# (op, pin, argument count, arguments...):
+# stamp, stream max length, index entries (JSON or ''), then operations (op, pin, argument
+# count, arguments...):
 #   S value          set (grow, shrink, re-home, refresh): last writer wins
 #   N value          set if absent (republishing a mirror to a Redis that restarted empty)
 #   G old value      compare-and-set of the members (proxies growing one tenant agree on one set)
-#   P r1 n1 r2 n2..  place a new tenant unless another proxy did: choices best first, each with
-#                    the tenants the caller believed that replica holds. While the table is small
-#                    (a cold start, when proxies place at once from mirrors that do not show each
-#                    other's placements yet) take the first choice whose count did not grow
-#                    behind the caller's back, else the one that grew least.
+#   P r n            place a new tenant on the caller's choice unless another proxy placed it
+#                    first (then the caller adopts that). Not corrected by the table's counts:
+#                    the caller's request already went to its choice, and moving the tenant
+#                    elsewhere copied its prompt to a second cache and stranded the
+#                    conversations it started there (the balance guard and the packing repair
+#                    even out what proxies placing at once put on one replica).
 # Returns {last stream id, pin, value in force, ...} for the P and G operations.
 _FLUSH = """
 local changed, n, out = {}, 0, {}
-local i = 6
+local i = 5
 while i <= #ARGV do
   local op, pin, argc = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   local a = i + 3
@@ -83,20 +84,7 @@ while i <= #ARGV do
     local members = cur and string.match(cur, '^(.*)|[^|]*$') or cur
     if members == ARGV[a] or not cur then value = ARGV[a + 1] end
   elseif op == 'P' and not cur then
-    local choice = ARGV[a]
-    if argc > 2 and redis.call('hlen', KEYS[1]) <= tonumber(ARGV[5]) then
-      local counts = {}
-      for _, v in ipairs(redis.call('hvals', KEYS[1])) do
-        for m in string.gmatch(string.match(v, '^(.*)|[^|]*$') or v, '[^,]+') do counts[m] = (counts[m] or 0) + 1 end
-      end
-      local least
-      for j = a, a + argc - 1, 2 do
-        local grown = (counts[ARGV[j]] or 0) - tonumber(ARGV[j + 1])
-        if least == nil or grown < least then least, choice = grown, ARGV[j] end
-        if grown <= 0 then break end
-      end
-    end
-    value = choice .. '|' .. ARGV[2]
+    value = ARGV[a] .. '|' .. ARGV[2]
   end
   if value and value ~= cur then
     redis.call('hset', KEYS[1], pin, value)
@@ -240,7 +228,7 @@ class SharedState:
             return None
         members = (choices[0][0],)
         self.pins[pin] = (members, time.time())
-        self._queue(pin, ("P", *(str(x) for choice in choices for x in choice)))
+        self._queue(pin, ("P", members[0]))
         return members
 
     def grow(self, pin: int, old: Sequence[str], members: Sequence[str]) -> tuple[str, ...] | None:
@@ -453,7 +441,7 @@ class SharedState:
             index = ""
 
     async def _send(self, ops: list[tuple[int, tuple[str, ...]]], index: str) -> None:
-        args: list[str] = [self.proxy_id, f"{time.time():.0f}", str(_LOG_MAXLEN), index, str(_PLACE_COUNTED)]
+        args: list[str] = [self.proxy_id, f"{time.time():.0f}", str(_LOG_MAXLEN), index]
         for pin, (op, *rest) in ops:
             args += [op, f"{pin:016x}", str(len(rest)), *rest]
         answer = await asyncio.wait_for(self._flush_client.eval(_FLUSH, 2, PINS_KEY, LOG_KEY, *args), self.io_timeout)
@@ -627,9 +615,6 @@ class SharedState:
             self._pending = {}
             self._ops = {}
             self.on_status(False)
-
-
-_PLACE_COUNTED = 256  # table size up to which a placement looks at every replica's tenant count
 
 
 def _describe(exc: BaseException) -> str:

@@ -17,7 +17,6 @@ from proxy.routing.affinity.tenants import TenantStats
 log = logging.getLogger("vllm_proxy.affinity")
 
 _OVERFLOW_GROW = 0.75  # a tenant over the balance cap grows when its share x replicas is this much of its set
-_PLACE_CHOICES = 8  # equally acceptable replicas offered to the shared table for a new tenant
 
 
 class Placement:
@@ -66,11 +65,9 @@ class Placement:
 
         if entry is None:
             order = ranked(self.load, self.table, candidates, rates, flights, cap, qcap, pin, ())
-            # the shared table may correct the first choice to an equally good one (see `place`)
-            every = self.table.all_counts
-            first = order[0][0][:3]
-            self._placing = [(b.name, every.get(b.name, 0)) for k, _, b in order[:_PLACE_CHOICES] if k[:3] == first]
-            return order[0][2], "place"
+            first = order[0][2]
+            self._placing = [(first.name, self.table.all_counts.get(first.name, 0))]
+            return first, "place"
         members, stamp = entry
         here = []  # its replicas among the candidates (a loop: a comprehension costs a call here)
         for name in members:
@@ -165,8 +162,8 @@ class Placement:
         return ranked(self.load, self.table, candidates, rates, flights, cap, qcap, pin, exclude, grow)[0][2]
 
     def _place(self, candidates: Sequence[Backend], pin: int, chosen: Backend, now: float) -> tuple[Backend, str]:
-        """A new tenant, on `chosen` unless the shared table corrects it (another proxy placed it
-        first, or filled `chosen`): then where the table says. Rendezvous order while it is down."""
+        """A new tenant, on `chosen` unless another proxy placed it first: then where the shared
+        table says. Rendezvous order while it is down."""
         members = self.store.place(pin, self._placing)
         if members is None:
             return self._rendezvous(candidates, pin, now)

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli, which pytest itself requires there
+    tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTRAS = ("kubernetes", "tracing")  # optional features of proxy/; dev and bench serve tests and loadtest/

@@ -184,7 +184,12 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self._interim = self._framed = False
         self._head_bytes = 0
-        self.transport.write(request)
+        try:
+            self.transport.write(request)
+        except RuntimeError:  # uvloop: the handle closed (a reset) before connection_lost ran
+            self.response = None
+            self.abort()
+            raise UpstreamError("connect", "the connection closed before the request was written") from None
         return response
 
     def data_received(self, data: bytes) -> None:
@@ -327,11 +332,17 @@ class Pool:
         write, that is an error, never a second send (the upstream may have started it: an LLM
         call is not idempotent)."""
         conn = self._reuse(key)
+        loop = asyncio.get_running_loop()
+        if conn is not None:
+            now = loop.time()
+            try:
+                response = conn.start(head + body, timeouts.idle, now + timeouts.total)
+            except UpstreamError:  # nothing was written: a fresh connection may take it
+                conn = None
         if conn is None:
             conn = await self._connect(key, timeouts.connect)
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        response = conn.start(head + body, timeouts.idle, now + timeouts.total)
+            now = loop.time()
+            response = conn.start(head + body, timeouts.idle, now + timeouts.total)
         # The head must be complete by `by`: one dripping in byte by byte (or interim responses)
         # does not extend it.
         left = timeouts.first_byte

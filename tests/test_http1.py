@@ -229,6 +229,46 @@ async def test_a_pooled_connection_whose_transport_is_closing_is_not_used() -> N
             resp.release()
 
 
+class _ClosedHandle:
+    """A transport as uvloop leaves it after a reset, before connection_lost runs: is_closing()
+    is still False, but writing raises RuntimeError (the handle is closed)."""
+
+    def __init__(self, real: asyncio.Transport) -> None:
+        self.real = real
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True reading=False>; "
+                           "the handler is closed")
+
+    def abort(self) -> None:
+        self.real.abort()
+
+
+async def test_a_pooled_connection_whose_handle_closed_unannounced_is_replaced_unsent() -> None:
+    """The write raised RuntimeError (a 500 in the rolling-restart test on Python 3.10): nothing
+    was sent, so a fresh connection takes the request; on a connection of its own it is a
+    connect error (retried on another replica), never an exception out of the pool."""
+    async with Upstream(ok(b"first"), ok(b"second")) as upstream:
+        pool = Pool(4.0)
+        assert await fetch(pool, upstream) == (200, b"first")
+        (conn,) = pool._idle[upstream.key]
+        conn.transport = _ClosedHandle(conn.transport)
+        resp = await pool.request(upstream.key, REQUEST, BODY, Timeouts())
+        try:
+            assert (resp.status, await asyncio.wait_for(resp.read(), WAIT)) == (200, b"second")
+        finally:
+            resp.release()
+        assert upstream.requests == 2 and conn.closed
+        (again,) = pool._idle[upstream.key]
+        again.transport = _ClosedHandle(again.transport)
+        with pytest.raises(UpstreamError) as err:
+            again.start(REQUEST + BODY, 1.0, asyncio.get_running_loop().time() + 1.0)
+        assert err.value.kind == "connect" and again.closed and again.response is None
+
+
 async def drip(writer: asyncio.StreamWriter, data: bytes, gap: float = 0.05) -> None:
     for i in range(len(data)):
         writer.write(data[i:i + 1])

@@ -219,16 +219,15 @@ class SharedState:
                 return i + 1, found
         return 0, None
 
-    def place(self, pin: int, choices: Sequence[tuple[str, int]]) -> tuple[str, ...] | None:
-        """Place a new tenant on the first of `choices` (replica, tenants the caller believes it
-        holds), best first, at once; the shared table reconciles in the background (the first
-        proxy to place it wins; see _FLUSH). None while Redis is down (then the caller uses
-        rendezvous order, which every proxy agrees on without talking)."""
-        if not self.up or not choices:
+    def place(self, pin: int, replica: str) -> tuple[str, ...] | None:
+        """Place a new tenant on `replica` at once; the shared table reconciles in the background
+        (the first proxy to place it wins; see _FLUSH). None while Redis is down (then the caller
+        uses rendezvous order, which every proxy agrees on without talking)."""
+        if not self.up:
             return None
-        members = (choices[0][0],)
+        members = (replica,)
         self.pins[pin] = (members, time.time())
-        self._queue(pin, ("P", members[0]))
+        self._queue(pin, ("P", replica))
         return members
 
     def grow(self, pin: int, old: Sequence[str], members: Sequence[str]) -> tuple[str, ...] | None:

@@ -261,17 +261,17 @@ def test_shared_growth_is_compare_and_set(redis_db, redis_url) -> None:
         b = SharedState(redis_url, local_load=dict)
         a.up = b.up = True
 
-        async def placed(s: SharedState, pin: int, choices) -> tuple[str, ...]:
-            assert s.place(pin, choices) == (choices[0][0],)  # local, at once
+        async def placed(s: SharedState, pin: int, replica: str) -> tuple[str, ...]:
+            assert s.place(pin, replica) == (replica,)  # local, at once
             await s.flush()
             return s.pins[pin][0]
 
         try:
-            assert await placed(a, 42, [("gpu-0", 0)]) == ("gpu-0",)
-            assert await placed(b, 42, [("gpu-1", 0)]) == ("gpu-0",)  # set-if-absent: a won, b adopts
+            assert await placed(a, 42, "gpu-0") == ("gpu-0",)
+            assert await placed(b, 42, "gpu-1") == ("gpu-0",)  # set-if-absent: a won, b adopts
             # b's mirror does not show a's placement yet: its own choice stands (its first request
             # computed the prompt there), whatever the table's counts say meanwhile
-            assert await placed(b, 43, [("gpu-0", 0)]) == ("gpu-0",)
+            assert await placed(b, 43, "gpu-0") == ("gpu-0",)
             assert a.grow(42, ("gpu-0",), ("gpu-0", "gpu-1")) == ("gpu-0", "gpu-1")
             assert b.grow(42, ("gpu-0",), ("gpu-0", "gpu-2")) == ("gpu-0", "gpu-2")
             await asyncio.gather(a.flush(), b.flush())

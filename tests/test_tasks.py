@@ -121,7 +121,7 @@ async def test_a_reload_hands_the_redis_mirror_over_with_its_loops_running(redis
 
     client = redis.Redis.from_url(redis_url)
     try:  # the flusher still writes: a placement made after the hand-over reaches Redis
-        shared.place(0xABC, [("gpu-0", 0)])
+        shared.place(0xABC, "gpu-0")
         await _until(lambda: client.hget(PINS_KEY, f"{0xABC:016x}"), "the placement reaching Redis")
 
         third = Runtime(parse_config({**base, "routing": {"policy": "least_loaded"}}), previous=second)

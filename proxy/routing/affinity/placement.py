@@ -31,7 +31,6 @@ class Placement:
         self.returning = False  # the tenant of the request being routed was idle until now
         # (old set, new set, reason) for `change`: a set change the store must accept first
         self._growing: tuple[tuple[str, ...], tuple[str, ...], str] = ((), (), "")
-        self._placing: list[tuple[str, int]] = []  # (replica, its tenants) choices for `place`, best first
 
     def decide(self, candidates: Sequence[Backend], where: dict[str, int], pin: int, pin_blocks: int,
                match: tuple[int, str | None], now: float, wall: float) -> tuple[Backend, str]:
@@ -64,10 +63,7 @@ class Placement:
                     return candidates[i], "prefix-hit"
 
         if entry is None:
-            order = ranked(self.load, self.table, candidates, rates, flights, cap, qcap, pin, ())
-            first = order[0][2]
-            self._placing = [(first.name, self.table.all_counts.get(first.name, 0))]
-            return first, "place"
+            return ranked(self.load, self.table, candidates, rates, flights, cap, qcap, pin, ())[0][2], "place"
         members, stamp = entry
         here = []  # its replicas among the candidates (a loop: a comprehension costs a call here)
         for name in members:
@@ -164,7 +160,7 @@ class Placement:
     def _place(self, candidates: Sequence[Backend], pin: int, chosen: Backend, now: float) -> tuple[Backend, str]:
         """A new tenant, on `chosen` unless another proxy placed it first: then where the shared
         table says. Rendezvous order while it is down."""
-        members = self.store.place(pin, self._placing)
+        members = self.store.place(pin, chosen.name)
         if members is None:
             return self._rendezvous(candidates, pin, now)
         self.table.changed[pin] = now
@@ -221,9 +217,9 @@ class Placement:
         over the current request rate is no request count when the rate varies, and a refresh of
         the same set rewrites the stamp.)"""
         table = self.table
-        changed = table.changed.get(pin)
-        if changed is None or table.shrink_seen.get(pin) != members:
-            if changed is None or table.shrink_seen.get(pin) is not None:
+        changed, seen = table.changed.get(pin), table.shrink_seen.get(pin)
+        if changed is None or seen != members:
+            if changed is None or seen is not None:
                 table.changed[pin] = now
             table.shrink_seen[pin] = members
             return

@@ -26,9 +26,9 @@ class TenantStore(Protocol):
     @property
     def changes(self) -> int: ...
 
-    def place(self, pin: int, choices: Sequence[tuple[str, int]]) -> tuple[str, ...] | None:
-        """A new tenant on the first of `choices` ((replica, tenants the caller believes it holds),
-        best first); the set in force, or None when the store cannot take it now."""
+    def place(self, pin: int, replica: str) -> tuple[str, ...] | None:
+        """A new tenant on `replica`, unless another proxy placed it first; the set in force, or
+        None when the store cannot take it now."""
 
     def change(self, pin: int, old: Sequence[str], new: Sequence[str]) -> tuple[str, ...] | None:
         """Grow, re-home or move a tenant from `old` to `new`; the set in force, or None."""
@@ -56,8 +56,8 @@ class LocalStore:
         self.changes = 0
         self._wall = wall
 
-    def place(self, pin: int, choices: Sequence[tuple[str, int]]) -> tuple[str, ...] | None:
-        members = (choices[0][0],)
+    def place(self, pin: int, replica: str) -> tuple[str, ...] | None:
+        members = (replica,)
         self.set(pin, members)
         return members
 
@@ -96,8 +96,8 @@ class SharedStore:
     def changes(self) -> int:
         return self.shared.pins_changed
 
-    def place(self, pin: int, choices: Sequence[tuple[str, int]]) -> tuple[str, ...] | None:
-        return self.shared.place(pin, choices) if self.shared.up else None
+    def place(self, pin: int, replica: str) -> tuple[str, ...] | None:
+        return self.shared.place(pin, replica) if self.shared.up else None
 
     def change(self, pin: int, old: Sequence[str], new: Sequence[str]) -> tuple[str, ...] | None:
         return self.shared.grow(pin, old, new)

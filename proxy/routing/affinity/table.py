@@ -28,7 +28,6 @@ class TenantTable:
         self.forget_at = min(1024, config.max_tenants)  # rate-table size that triggers `forget`
         self.prompt_chars = 0.0  # request-weighted moving mean of the system prompt's size
         self._counts: dict[str, int] = {}  # active tenants per replica, cached for `_version`
-        self.all_counts: dict[str, int] = {}  # every placed tenant per replica (what the shared table holds)
         self._version: tuple = ()
         self._recount_at = 0.0
         self._wall = wall
@@ -68,14 +67,11 @@ class TenantTable:
             wall = self._wall()
             idle = self.tenants.idle
             counts: dict[str, int] = {}
-            every: dict[str, int] = {}
             for pin, (members, _) in pins.items():
-                for name in members:
-                    every[name] = every.get(name, 0) + 1
                 if not idle(pin, now, wall):
                     for name in members:
                         counts[name] = counts.get(name, 0) + 1
-            self._counts, self.all_counts, self._version = counts, every, version
+            self._counts, self._version = counts, version
             self._recount_at = now + max(self.config.rebalance_every_requests / 4, len(pins) / 64)
         return self._counts
 

@@ -21,8 +21,9 @@ policy `python -m proxy check` rejects is skipped with its message), or `sglang:
 
 Heterogeneous fleet (`--slow-replicas 1 --slowdown 2`, or `--hetero` for that plus the
 `cache_queue` profile below and a 0.5 s scrape of the replicas' /metrics): the last replica runs
-at half speed (its sim's time scale doubled), which a request-count balance cannot see; the
-queue_depth / kv_cache scorers (proxy/routing/scorers.py) read it from the replicas' own metrics.
+at half speed (its sim's time scale doubled), which a request-count balance cannot see:
+prefix_affinity reads it from the replicas' scraped decode time (proxy/routing/speed.py), the
+queue_depth / kv_cache scorers (proxy/routing/scorers.py) from their queue and cache gauges.
 """
 from __future__ import annotations
 

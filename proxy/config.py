@@ -282,6 +282,12 @@ class AffinityConfig(Strict):
         "replica for a while after the workload changes)"
     )
     balance_epsilon: float = Field(0.03, ge=0, le=10, description="headroom of the balance guard over the mean")
+    speed_balance: float = Field(
+        0.5, ge=0, le=1, description="a replica that decodes k times slower than the fastest (its scraped inter-token "
+        "latency; 1.25x or more, else replicas count alike) counts 1 + speed_balance x (k - 1) per request in the load "
+        "bound, the balance guard and the packing repair (proxy/routing/speed.py): 1 gives it 1/k of a share, 0 "
+        "turns this off. Needs the replicas' /metrics (metrics.scrape_backends)"
+    )
     continuation_slack: float = Field(
         0.1, ge=0, description="extra relative headroom a conversation's continuation gets on the replica holding it"
     )

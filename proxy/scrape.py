@@ -8,6 +8,9 @@ them per backend (labels: the backend's configured name only):
                                             (mean over engines; 0..1)
 - `Backend.cache_tokens` (for prefix_affinity's packing) <- vllm:cache_config_info labels
   num_gpu_blocks x block_size (summed over engines)
+- `Backend.itl_s` (for prefix_affinity's balance by speed, proxy/routing/speed.py) <- delta
+  vllm:inter_token_latency_seconds_sum / delta _count between two scrapes (legacy:
+  vllm:time_per_output_token_seconds): the replica's own decode step time, whoever sent its load
 - `vllm_proxy_backend_prefix_cache_hit_ratio` <- delta vllm:prefix_cache_hits / delta
   vllm:prefix_cache_queries between two scrapes (legacy: vllm:gpu_prefix_cache_hits/queries,
   or the V0 gauge vllm:gpu_prefix_cache_hit_rate). The first scrape, or one after a counter reset,
@@ -30,6 +33,7 @@ import httpx
 
 from proxy.config import DiscoveryConfig
 from proxy.metrics import Metrics
+from proxy.routing import speed
 from proxy.routing.backends import Backend
 from proxy.tasks import Supervisor
 
@@ -42,9 +46,12 @@ QUERIES = {b"vllm:prefix_cache_queries_total", b"vllm:prefix_cache_queries",
 HITS = {b"vllm:prefix_cache_hits_total", b"vllm:prefix_cache_hits",
         b"vllm:gpu_prefix_cache_hits_total", b"vllm:gpu_prefix_cache_hits"}
 HIT_RATE = {b"vllm:gpu_prefix_cache_hit_rate"}  # V0 gauge, already a ratio
+ITL_SUM = {b"vllm:inter_token_latency_seconds_sum", b"vllm:time_per_output_token_seconds_sum"}
+ITL_COUNT = {b"vllm:inter_token_latency_seconds_count", b"vllm:time_per_output_token_seconds_count"}
 CACHE_CONFIG = b"vllm:cache_config_info"
 _LABEL = re.compile(rb'(\w+)="([^"]*)"')
-WANTED = WAITING | KV_USAGE | QUERIES | HITS | HIT_RATE
+WANTED = WAITING | KV_USAGE | QUERIES | HITS | HIT_RATE | ITL_SUM | ITL_COUNT
+_MIN_TOKENS = 16  # tokens between two scrapes for a decode-time reading (fewer: keep the last)
 
 
 @dataclass
@@ -57,6 +64,8 @@ class Reading:
     hits: float | None = None
     hit_rate: float | None = None
     cache_tokens: int | None = None
+    itl_sum: float | None = None
+    itl_count: float | None = None
 
 
 def parse_vllm_metrics(text: bytes) -> Reading:
@@ -102,16 +111,20 @@ def parse_vllm_metrics(text: bytes) -> Reading:
         n = sum(counts.get(k, 0) for k in names)
         return sum(sums.get(k, 0.0) for k in names) / n if n else None
 
-    return Reading(total(WAITING), mean(KV_USAGE), total(QUERIES), total(HITS), mean(HIT_RATE), cache_tokens)
+    return Reading(total(WAITING), mean(KV_USAGE), total(QUERIES), total(HITS), mean(HIT_RATE), cache_tokens,
+                   total(ITL_SUM), total(ITL_COUNT))
 
 
 class _Previous:
-    __slots__ = ("queries", "hits", "ratio")
+    __slots__ = ("queries", "hits", "ratio", "itl_sum", "itl_count", "itl")
 
     def __init__(self) -> None:
         self.queries: float | None = None
         self.hits: float | None = None
         self.ratio: float | None = None
+        self.itl_sum: float | None = None
+        self.itl_count: float | None = None
+        self.itl: float | None = None
 
 
 def hit_ratio(prev: _Previous, reading: Reading) -> float | None:
@@ -126,6 +139,23 @@ def hit_ratio(prev: _Previous, reading: Reading) -> float | None:
         ratio = (h - prev.hits) / dq if dq > 0 else prev.ratio
     prev.queries, prev.hits, prev.ratio = q, h, ratio
     return ratio
+
+
+def decode_time(prev: _Previous, reading: Reading) -> float | None:
+    """Mean inter-token latency (s) since the previous scrape (updates `prev`): the last reading
+    while fewer than _MIN_TOKENS were generated, None before two scrapes or after a restart."""
+    s, c = reading.itl_sum, reading.itl_count
+    if s is None or c is None:
+        prev.itl_sum = prev.itl_count = prev.itl = None
+        return None
+    if prev.itl_count is None or c < prev.itl_count or s < prev.itl_sum:
+        prev.itl = None  # first scrape, or the backend restarted: no interval yet
+    elif c - prev.itl_count >= _MIN_TOKENS:
+        prev.itl = (s - prev.itl_sum) / (c - prev.itl_count)
+    else:
+        return prev.itl  # too few tokens to tell: keep the last reading and its start
+    prev.itl_sum, prev.itl_count = s, c
+    return prev.itl
 
 
 class BackendScraper:
@@ -143,6 +173,7 @@ class BackendScraper:
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(b) for b in self.backends))
+        speed.update(self.backends)
 
     async def scrape(self, backend: Backend) -> None:
         try:
@@ -150,7 +181,7 @@ class BackendScraper:
         except Exception as exc:  # a backend without /metrics, or down: its series go away
             log.debug("cannot scrape %s/metrics: %s", backend.url, exc or type(exc).__name__)
             self._forget(backend.name)
-            backend.waiting = backend.kv_usage = None
+            backend.waiting = backend.kv_usage = backend.itl_s = None
             return
         m, name = self.metrics, backend.name
         backend.waiting, backend.kv_usage = reading.waiting, reading.kv_usage  # (routing: proxy/routing/scorers.py)
@@ -158,6 +189,7 @@ class BackendScraper:
             backend.cache_tokens = reading.cache_tokens
         prev = self._previous.setdefault(name, _Previous())
         ratio = hit_ratio(prev, reading)
+        backend.itl_s = decode_time(prev, reading)
         for family, value in ((m.backend_waiting, reading.waiting), (m.backend_kv_usage, reading.kv_usage),
                               (m.backend_hit_ratio, ratio)):
             if value is not None:

@@ -35,8 +35,9 @@ class Backend:
         "name", "salt", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "headers", "api_key",
         "adapter_in_flight", "adapter_used", "adapter_epoch", "adapter_ops",
         "origin", "heads", "errors_in_row", "ejections", "ejected_until", "limit", "cache_tokens",
-        "waiting", "kv_usage",
+        "waiting", "kv_usage", "itl_s", "load_factor",
     )
+    speed_version = 0  # moves on whenever some backend's load_factor changes (proxy/routing/speed.py)
 
     def __init__(self, config: BackendConfig) -> None:
         self.name = config.name
@@ -75,6 +76,10 @@ class Backend:
         # queue_depth and kv_cache scorers; None until scraped, and again when it cannot be
         self.waiting: float | None = None
         self.kv_usage: float | None = None
+        # its decode time per token between the last scrapes, and what one request to it counts as
+        # in prefix_affinity's balance against the fastest replica's (proxy/routing/speed.py)
+        self.itl_s: float | None = None
+        self.load_factor = 1.0
 
     async def fetch(self, client: httpx.AsyncClient, path: str, timeout_s: float) -> bytes:
         """GET a control-plane path (`/v1/models`, `/metrics`) with the replica's key, within

@@ -7,7 +7,8 @@ than by small load differences. So a layout costs, per replica:
 
     room:  _ROOM_COST x pressure x (tenants - fair part)^2   (fair part: by cache size; pressure:
            1 once its prompts fill `cache_fill` of the cache, less while they fit easily)
-    load:  _LOAD_WEIGHT x traffic share beyond the target ((1 + eps/2) x mean)
+    load:  _LOAD_WEIGHT x traffic share beyond the target ((1 + eps/2) x mean; shares in parts of
+           the replica's speed when some replica decodes markedly slower, proxy/routing/speed.py)
            + _SPREAD_COST x (traffic share - mean share)^2: the target alone let a replica sit
            just past it for good (the fleet's max/mean over a run ended at 1.11-1.12 on the weak
            shape, for 1.03-1.07 with this term in replays)
@@ -68,8 +69,9 @@ class Layout:
 
 class Packing:
     def __init__(self, fair: list[float], pressure: list[float], target: float,
-                 flex: list[tuple[float, list[int]]]) -> None:
+                 flex: list[tuple[float, list[int]]], speed: list[float] | None = None) -> None:
         self.fair, self.target = fair, target
+        self.speed = speed  # each replica's part of the fleet's speed x replicas (None: all alike)
         self.weight = [_ROOM_COST * p for p in pressure]
         self.flex = sorted(flex, reverse=True)  # (share, replicas) of multi-replica tenants
         self.n = len(fair)
@@ -91,6 +93,8 @@ class Packing:
 
     def costs(self, counts: list[int], fixed: list[float]) -> list[float]:
         target, loads = self.target, self.loads(fixed)
+        if self.speed:  # traffic in parts of what each replica can take
+            loads = [load / speed for load, speed in zip(loads, self.speed)]
         mean = sum(loads) / self.n
         return [room + _LOAD_WEIGHT * max(0.0, load - target) + _SPREAD_COST * (load - mean) ** 2
                 for room, load in zip(self.room(counts), loads)]

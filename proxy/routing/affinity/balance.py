@@ -6,7 +6,8 @@ hundred requests after the workload changed (a new population placed blind to po
 tenant before its set grew) one replica took 1.2-1.7x the mean. This guard is the last word on
 every decision: over the last `balance_window_requests` x replicas requests (counted over all
 proxies, like every memory of the policy), no replica takes more than
-(1 + balance_epsilon) x mean + 10 of them. A request whose choice would break that goes to a replica
+(1 + balance_epsilon) x mean + 10 of them (its part of the mean by speed, when some replica
+decodes markedly slower: proxy/routing/speed.py). A request whose choice would break that goes to a replica
 of its tenant's set under the cap, else to the replica this tenant overflowed to last (so its
 prompt is cached in one more place, not scattered; first where the prefix index says its prompt
 is), else to the replica with the fewest. A tenant capped twice whose traffic is a large part
@@ -22,6 +23,7 @@ from collections import deque
 from typing import Sequence
 
 from proxy.routing.backends import Backend
+from proxy.routing.speed import counted
 
 _SLACK = 10.0  # requests above (1 + eps) x mean: a cap at small counts is not a round robin
 _FILLING = 0.3  # extra relative headroom while the window fills (falls linearly to 0 when full)
@@ -30,7 +32,7 @@ _FILLING = 0.3  # extra relative headroom while the window fills (falls linearly
 class Window:
     """One route's recent decisions: replica name -> how many of the last `size`."""
 
-    __slots__ = ("names", "fleet", "recent", "counts", "overflow", "filling", "size", "again")
+    __slots__ = ("names", "fleet", "recent", "counts", "overflow", "filling", "size", "again", "speeds", "shares")
 
     def __init__(self, names: tuple[str, ...], before: "Window | None" = None) -> None:
         self.names = names
@@ -43,13 +45,16 @@ class Window:
         self.overflow: dict[int, str] = {}  # tenant pin -> replica it last overflowed to
         self.size = 0  # this proxy's part of the window, as of the last decision
         self.again: int | None = None  # the tenant of the last overflow, if it had overflowed before
+        self.speeds = -1  # the Backend.speed_version `shares` was computed for
+        self.shares: dict[str, float] | None = None  # name -> n x its part of the speed (None: all alike)
 
 
 class Balance:
     """The guard, with one window per route (each route has its own replicas)."""
 
-    def __init__(self, per_replica: float, epsilon: float, continuation_slack: float) -> None:
+    def __init__(self, per_replica: float, epsilon: float, continuation_slack: float, speed_balance: float = 0.0) -> None:
         self.per_replica = per_replica
+        self.speed_balance = speed_balance
         self.epsilon = epsilon
         self.continuation_slack = continuation_slack
         self._routes: dict[str, Window] = {}
@@ -74,10 +79,13 @@ class Balance:
         filled = len(window.recent)
         window.size = size
         # each proxy holds its own part to the cap: their slacks add up to one
-        limit = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * filled / n + _SLACK / proxies
+        fair = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * filled / n
+        slack = _SLACK / proxies
+        shares = self._shares(window, candidates) if Backend.speed_version and self.speed_balance else None
+        limit = fair * shares[chosen.name] + slack if shares else fair + slack
         capped = counts[chosen.name] + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0)
         if capped:
-            chosen = self._instead(window, candidates, pin, members, limit, cached)
+            chosen = self._instead(window, candidates, pin, members, fair, slack, shares, cached)
         name = chosen.name
         counts[name] += 1
         recent = window.recent
@@ -93,21 +101,38 @@ class Balance:
         return (window is not None and window.again == pin
                 and (not window.filling or len(window.recent) >= window.size))
 
+    def _shares(self, window: Window, candidates: Sequence[Backend]) -> dict[str, float] | None:
+        """Each replica's part of the window by speed, times the replicas (1 each while all run
+        alike: then None), recomputed when some load factor changed."""
+        if window.speeds != Backend.speed_version:
+            window.speeds = Backend.speed_version
+            speeds = [1.0 / counted(b.load_factor, self.speed_balance) for b in candidates]
+            total = sum(speeds)
+            window.shares = ({b.name: len(candidates) * v / total for b, v in zip(candidates, speeds)}
+                             if total < len(candidates) else None)
+        return window.shares
+
     @staticmethod
     def _instead(window: Window, candidates: Sequence[Backend], pin: int, members: Sequence[str],
-                 limit: float, cached: str | None) -> Backend:
+                 fair: float, slack: float, shares: dict[str, float] | None, cached: str | None) -> Backend:
         counts = window.counts
-        under = [b for b in candidates if counts[b.name] + 1 <= limit]
+        if shares:  # requests still under the cap, each replica's by its share of the speed
+            def room(b: Backend) -> float:
+                return fair * shares[b.name] + slack - counts[b.name]
+        else:
+            def room(b: Backend) -> float:
+                return fair + slack - counts[b.name]
+        under = [b for b in candidates if room(b) >= 1.0]
         if not under:
-            return min(candidates, key=lambda b: counts[b.name])
+            return max(candidates, key=room)
         own = [b for b in under if b.name in members]
         if own:
-            return min(own, key=lambda b: counts[b.name])
+            return max(own, key=room)
         last = window.overflow.get(pin)
         window.again = pin if last is not None else None
         # where its prompt is (every proxy's index agrees through Redis; its overflow memory is its own)
         last = cached if any(b.name == cached for b in under) else last
-        chosen = next((b for b in under if b.name == last), None) or min(under, key=lambda b: counts[b.name])
+        chosen = next((b for b in under if b.name == last), None) or max(under, key=room)
         if len(window.overflow) > 4 * len(candidates) + 1024:
             window.overflow.clear()  # bounded: the tenants of long ago need no memory here
         window.overflow[pin] = chosen.name

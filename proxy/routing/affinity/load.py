@@ -7,6 +7,7 @@ through Redis, aged at the observed request rate); placement scores by the **rec
 (this proxy, a quarter of the window: where traffic goes now); in-flight counts only guard
 against a real queue. A replica that joined counts at least the others' mean at first, falling
 linearly to its own over `load_window_requests`, so the others do not all look over the bound.
+A replica markedly slower than the fastest counts more per request (proxy/routing/speed.py).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Callable, Sequence
 
 from proxy.config import AffinityConfig
 from proxy.routing.backends import Backend
+from proxy.routing.speed import counted
 from proxy.routing.affinity.counts import DecayedCounts
 from proxy.shared import SharedState
 
@@ -37,6 +39,7 @@ class LoadView:
         self.joined: dict[str, float] = {}  # replica -> clock when it joined (its load is ramped up)
         self.fleet_rate = 0.0  # smoothed requests routed over all proxies, as of the last decision
         self._wall = wall
+        self.speed_balance = config.speed_balance
         if shared is not None:
             shared.rate_tau = config.load_window_requests / self.rate
             shared.local_rates = lambda wall: self.routed.snapshot(self.clock)
@@ -75,9 +78,10 @@ class LoadView:
                 out.append(b.in_flight + remote.get(b.name, 0))
         return out
 
-    def smoothed(self, candidates: Sequence[Backend], now: float) -> list[float]:
-        """Decayed routed counts over all proxies, per candidate; a replica that joined lately
-        counts at least a share of the others' mean that falls to zero over window / 2."""
+    def smoothed(self, candidates: Sequence[Backend], now: float, weigh: bool = True) -> list[float]:
+        """Decayed routed counts over all proxies, per candidate (`weigh`: by speed); a replica
+        that joined lately counts at least a share of the others' mean that falls to zero over
+        window / 2."""
         down = 1.0 / self.routed.factor(now)
         mine = self.routed.scaled
         shared = self.shared
@@ -94,14 +98,28 @@ class LoadView:
                 rates.append(mine.get(b.name, 0.0) * down)
         if self.joined:
             self.ramp(candidates, rates, now)
-        return rates
+        return self.weigh(candidates, rates) if weigh else rates
+
+    def weigh(self, candidates: Sequence[Backend], values: list[float]) -> list[float]:
+        """`values` (loads of `candidates`), each scaled by what a request to its replica counts
+        (proxy/routing/speed.py `counted`); as they were while all run alike."""
+        strength = self.speed_balance
+        if Backend.speed_version and strength:
+            i = 0
+            for b in candidates:
+                f = b.load_factor
+                if f != 1.0:
+                    values[i] *= counted(f, strength)
+                i += 1
+        return values
 
     def bounds(self, candidates: Sequence[Backend], now: float) -> tuple[list[float], list[int], float, float, int]:
-        """(smoothed loads, in-flight loads, mean, the bound on the smoothed load, the in-flight
-        guard) for this decision; updates the fleet's rate and the proxies estimate on the way."""
+        """(smoothed loads weighed by speed, in-flight loads, mean, the bound on the smoothed load,
+        the in-flight guard) for this decision; updates the fleet's rate and the proxies estimate on
+        the way (from the requests, unweighed)."""
         cfg = self.config
         n = len(candidates)
-        rates = self.smoothed(candidates, now)
+        rates = self.smoothed(candidates, now, weigh=False)
         flights = self.loads(candidates)
         self.fleet_rate = total = sum(rates)
         local = self.routed.value(None, now)  # all this proxy routed, on the same window as `rates`
@@ -109,6 +127,8 @@ class LoadView:
             ratio = total / local  # clamped to [1, 64] (as min(max(...)), without two calls)
             ratio = 1.0 if 1.0 > ratio else 64.0 if 64.0 < ratio else ratio
             self.proxies += (ratio - self.proxies) * 0.02
+        if Backend.speed_version and self.speed_balance:
+            total = sum(self.weigh(candidates, rates))
         mean = (total + 1.0) / n
         cap = (1.0 + cfg.epsilon) * mean + cfg.load_slack * math.sqrt(mean)  # slack: the count's own noise
         qcap = math.ceil((1.0 + cfg.epsilon) * (sum(flights) + 1) / n) + cfg.queue_slack
@@ -125,7 +145,7 @@ class LoadView:
             values.append(scaled.get(b.name, 0.0) * down)
         if self.joined:
             self.ramp(candidates, values, self.clock)
-        return values
+        return self.weigh(candidates, values)
 
     def ramp(self, candidates: Sequence[Backend], values: list[float], now: float, into: dict | None = None) -> None:
         """Raise each lately joined replica's value to the others' mean times the part of its

@@ -46,7 +46,8 @@ class PrefixAffinity:
         self.tenants = TenantStats(config, self.view, self.pins)
         self.table = TenantTable(config, self.store, self.tenants, timer.time)
         self.repair = Repair(config, self.view, self.tenants, self.table, self.store, timer.time)
-        self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack)
+        self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack,
+                                config.speed_balance)
                         if config.balance_window_requests else None)
         self.placement = Placement(config, self.view, self.tenants, self.table, self.store, self.repair.soon)
         # route -> replica names of its last request; and (its replicas, name -> position) to

@@ -1,0 +1,101 @@
+"""Balance by speed: a replica that decodes markedly slower takes proportionally fewer requests
+under prefix_affinity (proxy/routing/speed.py, the scraped inter-token latency)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from proxy.config import AffinityConfig
+from proxy.routing import speed
+from proxy.routing.affinity import PrefixAffinity
+from proxy.routing.backends import Backend
+from proxy.routing.clock import ManualClock
+from proxy.scrape import Reading, _Previous, decode_time, parse_vllm_metrics
+from tests.conftest import Servers, eventually
+from tests.test_affinity import backends, chats
+
+
+def exposition(itl_sum: float, itl_count: int) -> bytes:
+    return (b'# TYPE vllm:inter_token_latency_seconds histogram\n'
+            b'vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="m"} 3.0\n'
+            b'vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} %f\n'
+            b'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} %d\n' % (itl_sum, itl_count))
+
+
+def test_decode_time_is_the_mean_between_two_scrapes() -> None:
+    reading = parse_vllm_metrics(exposition(1.5, 100))
+    assert (reading.itl_sum, reading.itl_count) == (1.5, 100)
+    legacy = parse_vllm_metrics(b'vllm:time_per_output_token_seconds_sum{model_name="m"} 2.0\n'
+                                b'vllm:time_per_output_token_seconds_count{model_name="m"} 40\n')
+    assert (legacy.itl_sum, legacy.itl_count) == (2.0, 40)
+    prev = _Previous()
+    assert decode_time(prev, Reading(itl_sum=1.5, itl_count=100)) is None  # one scrape: no interval yet
+    assert abs(decode_time(prev, Reading(itl_sum=3.5, itl_count=200)) - 0.02) < 1e-12
+    assert abs(decode_time(prev, Reading(itl_sum=3.6, itl_count=205)) - 0.02) < 1e-12  # too few tokens: the last
+    assert abs(decode_time(prev, Reading(itl_sum=4.6, itl_count=300)) - 1.1 / 100) < 1e-12  # since 200, not 205
+    assert decode_time(prev, Reading(itl_sum=0.1, itl_count=10)) is None  # restarted
+    assert decode_time(prev, Reading()) is None  # no such metric
+
+
+def test_only_a_marked_difference_counts_and_it_holds_until_back_within_a_smaller_one() -> None:
+    bs = backends(4)
+    before = Backend.speed_version
+    for b, itl in zip(bs, (0.010, 0.0105, 0.012, 0.020)):
+        b.itl_s = itl
+    speed.update(bs)
+    assert [b.load_factor for b in bs] == [1.0, 1.0, 1.0, 2.0]  # 1.2x is noise, 2x is not
+    assert Backend.speed_version > before
+    bs[3].itl_s = 0.012  # 1.2x: between the two thresholds, it stays slow (rounded to quarters)
+    speed.update(bs)
+    assert bs[3].load_factor == 1.25
+    bs[3].itl_s = 0.0112
+    speed.update(bs)
+    assert bs[3].load_factor == 1.0
+    bs[3].itl_s, bs[3].healthy = 0.5, False  # a replica that is down is no measure of the others
+    bs[0].itl_s = None
+    speed.update(bs)
+    assert [b.load_factor for b in bs] == [1.0, 1.0, 1.0, 1.0]
+    bs[3].healthy, bs[3].itl_s = True, 1.0
+    speed.update(bs)
+    assert bs[3].load_factor == 4.0  # at most
+
+
+@pytest.mark.parametrize("strength", [0.5, 1.0])
+def test_a_replica_half_as_fast_takes_a_smaller_share_and_the_others_stay_even(strength: float) -> None:
+    def served(strength: float) -> list[int]:
+        bs = backends(4)
+        bs[3].load_factor = 2.0
+        Backend.speed_version += 1
+        clock = ManualClock()  # decisions must not depend on how fast a loaded machine runs
+        policy = PrefixAffinity(AffinityConfig(speed_balance=strength), timer=clock)
+        tenants = [f"tenant s{i} " * 40 for i in range(16)]
+        chats(policy, bs, tenants, [1.0] * 16, 600, 1, clock)  # warm up: placed, repaired
+        counts = Counter(name for name, _ in chats(policy, bs, tenants, [1.0] * 16, 1400, 2, clock))
+        return [counts[b.name] for b in bs]
+
+    weighed = served(strength)
+    fast, slow = weighed[:3], weighed[3]
+    part = 1.0 / speed.counted(2.0, strength)  # its part of a fair share: 1/2 fully, 2/3 at half strength
+    assert abs(slow / sum(weighed) - part / (3 + part)) <= 0.04, weighed
+    assert max(fast) / (sum(fast) / 3) <= 1.10, weighed
+    alike = served(0.0)
+    assert alike[3] / sum(alike) >= 0.22, alike
+
+
+def test_the_scrape_finds_the_slow_replica(servers: Servers) -> None:
+    sims = [servers.sim(time_scale=1.0, itl_ms=4.0, prefill_ms_per_token=0.0) for _ in range(2)]
+    sims.append(servers.sim(time_scale=1.0, itl_ms=24.0, prefill_ms_per_token=0.0))
+    proxy = servers.proxy_for(*sims, routing={"policy": "round_robin"})
+    runtime = proxy.server.config.app.runtime
+    import httpx
+
+    def slow_is_found() -> bool:
+        with httpx.Client(base_url=proxy.url, timeout=30) as client:
+            for _ in range(3):
+                client.post("/v1/completions", json={"model": sims[0].server.config.app.config.model,
+                                                     "prompt": "hi", "max_tokens": 8})
+        factors = {b.name: b.load_factor for b in runtime.backends}
+        return factors["gpu-2"] >= 2.0 and factors["gpu-2"] > max(factors["gpu-0"], factors["gpu-1"])
+
+    assert eventually(slow_is_found, timeout=30, interval=0.1)

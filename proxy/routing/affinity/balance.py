@@ -79,10 +79,14 @@ class Balance:
         filled = len(window.recent)
         window.size = size
         # each proxy holds its own part to the cap: their slacks add up to one
-        fair = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * filled / n
         slack = _SLACK / proxies
-        shares = self._shares(window, candidates) if Backend.speed_version and self.speed_balance else None
-        limit = fair * shares[chosen.name] + slack if shares else fair + slack
+        fair = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * filled / n
+        limit = fair + slack
+        shares = None
+        if Backend.speed_version and self.speed_balance:
+            shares = self._shares(window, candidates)
+            if shares:
+                limit = fair * shares[chosen.name] + slack
         capped = counts[chosen.name] + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0)
         if capped:
             chosen = self._instead(window, candidates, pin, members, fair, slack, shares, cached)

@@ -98,7 +98,9 @@ class LoadView:
                 rates.append(mine.get(b.name, 0.0) * down)
         if self.joined:
             self.ramp(candidates, rates, now)
-        return self.weigh(candidates, rates) if weigh else rates
+        if weigh and Backend.speed_version:  # (the call only once some replica was ever slower)
+            self.weigh(candidates, rates)
+        return rates
 
     def weigh(self, candidates: Sequence[Backend], values: list[float]) -> list[float]:
         """`values` (loads of `candidates`), each scaled by what a request to its replica counts
@@ -119,7 +121,7 @@ class LoadView:
         the way (from the requests, unweighed)."""
         cfg = self.config
         n = len(candidates)
-        rates = self.smoothed(candidates, now, weigh=False)
+        rates = self.smoothed(candidates, now, False)
         flights = self.loads(candidates)
         self.fleet_rate = total = sum(rates)
         local = self.routed.value(None, now)  # all this proxy routed, on the same window as `rates`
@@ -145,7 +147,9 @@ class LoadView:
             values.append(scaled.get(b.name, 0.0) * down)
         if self.joined:
             self.ramp(candidates, values, self.clock)
-        return self.weigh(candidates, values)
+        if Backend.speed_version:
+            self.weigh(candidates, values)
+        return values
 
     def ramp(self, candidates: Sequence[Backend], values: list[float], now: float, into: dict | None = None) -> None:
         """Raise each lately joined replica's value to the others' mean times the part of its

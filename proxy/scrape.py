@@ -51,7 +51,7 @@ ITL_COUNT = {b"vllm:inter_token_latency_seconds_count", b"vllm:time_per_output_t
 CACHE_CONFIG = b"vllm:cache_config_info"
 _LABEL = re.compile(rb'(\w+)="([^"]*)"')
 WANTED = WAITING | KV_USAGE | QUERIES | HITS | HIT_RATE | ITL_SUM | ITL_COUNT
-_MIN_TOKENS = 16  # tokens between two scrapes for a decode-time reading (fewer: keep the last)
+_MIN_TOKENS = 64  # tokens between two scrapes for a decode-time reading (fewer: keep the last)
 
 
 @dataclass
@@ -170,10 +170,11 @@ class BackendScraper:
         self.config = config
         self.metrics = metrics
         self._previous: dict[str, _Previous] = {}
+        self.speeds = speed.Speeds()
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(b) for b in self.backends))
-        speed.update(self.backends)
+        self.speeds.update(self.backends)
 
     async def scrape(self, backend: Backend) -> None:
         try:

@@ -38,27 +38,31 @@ def test_decode_time_is_the_mean_between_two_scrapes() -> None:
     assert decode_time(prev, Reading()) is None  # no such metric
 
 
-def test_only_a_marked_difference_counts_and_it_holds_until_back_within_a_smaller_one() -> None:
+def test_only_a_marked_lasting_difference_counts_and_it_holds_until_back_within_a_smaller_one() -> None:
     bs = backends(4)
+    speeds = speed.Speeds()
+
+    def update(*itl: float | None) -> list[float]:
+        for b, value in zip(bs, itl):
+            b.itl_s = value
+        speeds.update(bs)
+        return [b.load_factor for b in bs]
+
     before = Backend.speed_version
-    for b, itl in zip(bs, (0.010, 0.0105, 0.012, 0.020)):
-        b.itl_s = itl
-    speed.update(bs)
-    assert [b.load_factor for b in bs] == [1.0, 1.0, 1.0, 2.0]  # 1.2x is noise, 2x is not
+    assert update(0.010, 0.0105, 0.014, 0.020) == [1.0] * 4  # 1.4x is noise; 2x once is a busy moment
+    assert update(0.010, 0.0105, 0.010, 0.010) == [1.0] * 4
+    assert update(0.010, 0.0105, 0.014, 0.020) == [1.0] * 4
+    assert Backend.speed_version == before
+    assert update(0.010, 0.0105, 0.014, 0.019) == [1.0, 1.0, 1.0, 2.0]  # twice in a row: slow (in quarters)
     assert Backend.speed_version > before
-    bs[3].itl_s = 0.012  # 1.2x: between the two thresholds, it stays slow (rounded to quarters)
-    speed.update(bs)
-    assert bs[3].load_factor == 1.25
-    bs[3].itl_s = 0.0112
-    speed.update(bs)
-    assert bs[3].load_factor == 1.0
-    bs[3].itl_s, bs[3].healthy = 0.5, False  # a replica that is down is no measure of the others
-    bs[0].itl_s = None
-    speed.update(bs)
-    assert [b.load_factor for b in bs] == [1.0, 1.0, 1.0, 1.0]
-    bs[3].healthy, bs[3].itl_s = True, 1.0
-    speed.update(bs)
-    assert bs[3].load_factor == 4.0  # at most
+    assert update(0.010, 0.010, 0.010, 0.0135) == [1.0, 1.0, 1.0, 1.25]  # 1.35x: still slow, by less
+    assert update(0.010, 0.010, 0.010, 0.012) == [1.0, 1.0, 1.0, 1.25]  # within 1.3x once: not yet alike
+    assert update(0.010, 0.010, 0.010, 0.012) == [1.0] * 4
+    bs[3].healthy = False  # a replica that is down is no measure of the others, and counts 1
+    assert update(0.010, None, 0.010, 0.5) == [1.0] * 4
+    bs[3].healthy = True
+    update(0.010, 0.010, 0.010, 1.0)
+    assert update(0.010, 0.010, 0.010, 1.0)[3] == 4.0  # at most
 
 
 @pytest.mark.parametrize("strength", [0.5, 1.0])

@@ -24,9 +24,15 @@ from proxy.routing.backends import Backend
 
 log = logging.getLogger("vllm_proxy.routing")
 
-_SLOW = 1.25
-_SAME = 1.15
+_SLOW = 1.5
+_SAME = 1.3
+_CONFIRM = 2  # scrape rounds in a row a replica must look slower (or alike again) before it counts so
 _MAX = 4.0
+
+
+def counted(factor: float, strength: float) -> float:
+    """What one request counts as on a replica of load `factor`, at `speed_balance` `strength`."""
+    return 1.0 + strength * (factor - 1.0)
 
 
 def factor(ratio: float, current: float) -> float:
@@ -36,27 +42,36 @@ def factor(ratio: float, current: float) -> float:
     return 1.0
 
 
-def counted(factor: float, strength: float) -> float:
-    """What one request counts as on a replica of load `factor`, at `speed_balance` `strength`."""
-    return 1.0 + strength * (factor - 1.0)
+class Speeds:
+    """The load factors of one fleet, set after each scrape round (`update`). Entering or leaving
+    the slow state takes _CONFIRM rounds in a row: one reading over a busy moment (a stalled
+    process, a burst of long contexts) is no speed."""
 
+    def __init__(self) -> None:
+        self._streak: dict[str, int] = {}  # backend -> rounds in a row it looked slow / alike against its state
 
-def update(backends: Iterable[Backend]) -> None:
-    """Set each backend's `load_factor` from the latest decode times (after a scrape round);
-    `Backend.speed_version` moves on when any changed, for the parts that cache them."""
-    groups: dict[frozenset[str], list[Backend]] = {}
-    for backend in backends:
-        groups.setdefault(backend.models, []).append(backend)
-    changed = False
-    for group in groups.values():
-        times = [b.itl_s for b in group if b.healthy and b.itl_s]
-        fastest = min(times) if len(times) > 1 else None
-        for b in group:
-            new = factor(b.itl_s / fastest, b.load_factor) if fastest and b.healthy and b.itl_s else 1.0
-            if new != b.load_factor:
-                log.info("replica %s decodes %.2fx slower than the fastest: one request counts %.2f in the balance",
-                         b.name, b.itl_s / fastest if fastest and b.itl_s else 1.0, new)
-                b.load_factor = new
-                changed = True
-    if changed:
-        Backend.speed_version += 1
+    def update(self, backends: Iterable[Backend]) -> None:
+        """Set each backend's `load_factor` from the latest decode times; `Backend.speed_version`
+        moves on when any changed, for the parts that cache them."""
+        groups: dict[frozenset[str], list[Backend]] = {}
+        for backend in backends:
+            groups.setdefault(backend.models, []).append(backend)
+        changed = False
+        for group in groups.values():
+            times = [b.itl_s for b in group if b.healthy and b.itl_s]
+            fastest = min(times) if len(times) > 1 else None
+            for b in group:
+                ratio = b.itl_s / fastest if fastest and b.healthy and b.itl_s else 1.0
+                new = factor(ratio, b.load_factor) if b.healthy else 1.0
+                if (new > 1.0) != (b.load_factor > 1.0) and b.healthy:  # a change of state: confirm it
+                    streak = self._streak[b.name] = self._streak.get(b.name, 0) + 1
+                    if streak < _CONFIRM:
+                        continue
+                self._streak.pop(b.name, None)
+                if new != b.load_factor:
+                    log.info("replica %s decodes %.2fx slower than the fastest: one request counts %.2f in the "
+                             "balance", b.name, ratio, new)
+                    b.load_factor = new
+                    changed = True
+        if changed:
+            Backend.speed_version += 1

@@ -294,6 +294,11 @@ class Metrics:
             "vllm_proxy_backend_kv_cache_usage", "Backend KV-cache usage, 0..1 (vllm:kv_cache_usage_perc).",
             ["backend"], registry=r, multiprocess_mode="livemostrecent",
         )
+        self.backend_load_factor = Gauge(
+            "vllm_proxy_backend_load_factor", "How many times slower the backend decodes than the fastest serving its models, "
+            "as prefix_affinity's balance sees it (1 = alike; proxy/routing/speed.py).",
+            ["backend"], registry=r, multiprocess_mode="livemostrecent",
+        )
         # Families whose children are touched per request: no-ops when metrics are disabled.
         self._per_request = {
             id(f) for f in (self.requests, self.duration, self.ttft, self.itl, self.overhead, self.in_flight,

@@ -11,6 +11,7 @@ them per backend (labels: the backend's configured name only):
 - `Backend.itl_s` (for prefix_affinity's balance by speed, proxy/routing/speed.py) <- delta
   vllm:inter_token_latency_seconds_sum / delta _count between two scrapes (legacy:
   vllm:time_per_output_token_seconds): the replica's own decode step time, whoever sent its load
+- `vllm_proxy_backend_load_factor` <- how many times slower it decodes than the fastest (speed.py)
 - `vllm_proxy_backend_prefix_cache_hit_ratio` <- delta vllm:prefix_cache_hits / delta
   vllm:prefix_cache_queries between two scrapes (legacy: vllm:gpu_prefix_cache_hits/queries,
   or the V0 gauge vllm:gpu_prefix_cache_hit_rate). The first scrape, or one after a counter reset,
@@ -175,6 +176,9 @@ class BackendScraper:
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(b) for b in self.backends))
         self.speeds.update(self.backends)
+        for backend in self.backends:
+            if backend.name in self._previous:  # (scraped: a backend that cannot be has no series)
+                self.metrics.backend_load_factor.labels(backend.name).set(backend.load_factor)
 
     async def scrape(self, backend: Backend) -> None:
         try:
@@ -201,7 +205,7 @@ class BackendScraper:
         if self.metrics.multiprocess:
             return  # series live in the shared files; the last value stays (see backend_up)
         m = self.metrics
-        for family in (m.backend_waiting, m.backend_kv_usage, m.backend_hit_ratio):
+        for family in (m.backend_waiting, m.backend_kv_usage, m.backend_hit_ratio, m.backend_load_factor):
             try:
                 family.remove(name)
             except KeyError:

@@ -33,7 +33,7 @@ FAMILIES = [  # the issue's list, as the parser names them (counters without _to
     "vllm_proxy_inter_token_latency_seconds", "vllm_proxy_overhead_seconds", "vllm_proxy_upstream_errors",
     "vllm_proxy_in_flight_requests", "vllm_proxy_backend_up", "vllm_proxy_routing_decisions",
     "vllm_proxy_client_disconnects", "vllm_proxy_config_reloads", "vllm_proxy_backend_prefix_cache_hit_ratio",
-    "vllm_proxy_backend_requests_waiting", "vllm_proxy_backend_kv_cache_usage",
+    "vllm_proxy_backend_requests_waiting", "vllm_proxy_backend_kv_cache_usage", "vllm_proxy_backend_load_factor",
     # operator families (issue 21)
     "vllm_proxy_key_requests", "vllm_proxy_tokens", "vllm_proxy_config_last_reload_success",
     "vllm_proxy_config_last_reload_timestamp_seconds", "vllm_proxy_build_info", "vllm_proxy_redis_up",

@@ -13,6 +13,7 @@ from proxy.routing.backends import Backend
 from proxy.routing.clock import ManualClock
 from proxy.scrape import Reading, _Previous, decode_time, parse_vllm_metrics
 from tests.conftest import Servers, eventually
+from tests.test_metrics import gauge
 from tests.test_affinity import backends, chats
 
 
@@ -103,3 +104,5 @@ def test_the_scrape_finds_the_slow_replica(servers: Servers) -> None:
         return factors["gpu-2"] >= 2.0 and factors["gpu-2"] > max(factors["gpu-0"], factors["gpu-1"])
 
     assert eventually(slow_is_found, timeout=30, interval=0.1)
+    # and operators see it (the gauge follows the next scrape round)
+    assert eventually(lambda: (gauge(proxy, "vllm_proxy_backend_load_factor", "gpu-2") or 0) >= 2.0, timeout=10)

@@ -198,7 +198,8 @@ def offline(args: argparse.Namespace, seed: int) -> list[dict]:
     results: list[tuple[Phase, Workload, list[int]]] = []
     mine: list[list[tuple[int, int]]] = []
     served: list[list[str]] = []
-    policy = PrefixAffinity(AffinityConfig(**json.loads(args.knobs)), timer=clock)
+    # (no exchange runs here to release a coalescing leader: requests are routed, never sent)
+    policy = PrefixAffinity(AffinityConfig(**{"coalesce_wait_s": 0.0, **json.loads(args.knobs)}), timer=clock)
     in_flight: deque[Backend] = deque()
 
     async def route_all() -> None:

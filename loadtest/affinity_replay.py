@@ -54,7 +54,8 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
         backends.append(backend)
     route = Route(name=workload.spec.model, model=workload.spec.model, adapter=None, backends=tuple(backends))
     clock = SimulatedClock()
-    policy = PrefixAffinity(AffinityConfig(**knobs), timer=clock)
+    # (no exchange runs here to release a coalescing leader: requests are routed, never sent)
+    policy = PrefixAffinity(AffinityConfig(**{"coalesce_wait_s": 0.0, **knobs}), timer=clock)
     served: list[int] = []
     in_flight: deque[Backend] = deque()
 

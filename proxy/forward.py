@@ -73,10 +73,11 @@ class Progress:
     """
 
     __slots__ = ("started", "arrival", "itl", "proxy_s", "relay_at", "first_at", "tail", "body", "marker", "task",
-                 "abort")
+                 "abort", "on_first")
 
     def __init__(self, arrival: float = 0.0, itl=None, marker: bytes = b"data:") -> None:
         self.started = False
+        self.on_first = None  # called when the first SSE data event is relayed (a coalescing leader's release)
         self.arrival = arrival  # request arrival
         self.itl = itl
         self.proxy_s = 0.0  # proxy time so far: arrival -> upstream request, upstream headers -> our headers
@@ -313,6 +314,8 @@ async def _relay_timed(
                 last = progress.first_at = perf_counter()
                 started = True
                 tail = chunk
+                if progress.on_first is not None:
+                    progress.on_first()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     finally:
         if pending >= 0 and not _usage_first(tail):

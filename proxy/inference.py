@@ -260,6 +260,7 @@ async def _attempt(
     in_flight.inc()
     series = metrics.series(route.name, backend.name, endpoint)
     progress = Progress(started, series.stream_sink) if spec is None else Progress(started, series.stream_sink, spec.marker)
+    warmed = progress.on_first = lease.request.warmed if lease.request is not None else None
     try:
         code = await rt.upstream.exchange(
             backend, endpoint, body, rid, send, _response_headers(rt, id_header, backend, reason), progress,
@@ -290,6 +291,8 @@ async def _attempt(
     finally:
         in_flight.dec()
         lease.status = status
+        if warmed is not None:  # a coalescing leader: whoever waits for its prompt goes now
+            warmed()
     return status, progress, series, failure
 
 

@@ -5,7 +5,7 @@ Everything else in the body is the upstream's business and is forwarded byte for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 
@@ -47,6 +47,9 @@ class ParsedRequest:
     stream: bool
     media: list[MediaPart] | None = None  # None for text-only requests (the common, free case)
     mm_kwargs: tuple[str, ...] = ()
+    # set by prefix_affinity when this request computes a prompt others wait for: called once its
+    # first token is relayed, or its exchange ended (proxy/routing/affinity/coalesce.py)
+    warmed: Callable[[], None] | None = None
 
     @property
     def multimodal(self) -> bool:

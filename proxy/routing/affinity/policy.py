@@ -14,6 +14,7 @@ from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
 from proxy.routing.index import PrefixIndex
 from proxy.routing.affinity.balance import Balance
+from proxy.routing.affinity.coalesce import Coalescer
 from proxy.routing.affinity.counts import DecayedCounts
 from proxy.routing.affinity.load import LoadView
 from proxy.routing.affinity.placement import Placement
@@ -49,6 +50,7 @@ class PrefixAffinity:
         self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack,
                                 config.speed_balance)
                         if config.balance_window_requests else None)
+        self.coalescer = Coalescer(config.coalesce_wait_s) if config.coalesce_wait_s > 0 else None
         self.placement = Placement(config, self.view, self.tenants, self.table, self.store, self.repair.soon)
         # route -> replica names of its last request; and (its replicas, name -> position) to
         # skip comparing names while the candidates are the same objects
@@ -131,6 +133,11 @@ class PrefixAffinity:
             stale = self.index.record(chain, name, self._monotonic(), cfg.shared_ttl_s)
             if shared is not None and stale:
                 shared.remember(stale, name)
+            coalescer = self.coalescer
+            if coalescer is not None and pin_blocks:
+                leader = coalescer.check(pin, name, match[0] >= pin_blocks and match[1] == name, request)
+                if leader is not None:
+                    await coalescer.follow(pin, name, leader)
         return chosen, reason
 
     def _positions(self, route: str, candidates: Sequence[Backend], now: float) -> dict[str, int]:

@@ -1,0 +1,60 @@
+"""Cold-prompt coalescing: one request computes a system prompt, the others wait for it.
+
+A new tenant's first requests, or a set's newest member's, often arrive together (a release
+shipped a new system prompt; sixteen clients started at once). Sent at once they all compute
+the same prompt side by side: vLLM caches a prompt's blocks only once computed, so each of them
+pays the whole prefill, and a batch of them takes GPU time from everyone. Here the first
+*streamed* request whose prompt the prefix index does not place on its replica leads; a later
+request of the same tenant to the same replica, while the leader has not relayed its first token,
+waits for that (at most `coalesce_wait_s`) and then finds the prompt cached. Its time to first
+token is about what computing the prompt itself would have taken. The leader is released by the
+data path (`ParsedRequest.warmed`: on its first SSE data event, and when its exchange ends,
+whatever happened); a non-streamed request never leads (its first byte is its last). Per proxy
+process: followers at other proxies compute as before.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from proxy.parse import ParsedRequest
+
+_MAX = 4096  # prompts being computed at once that are tracked (beyond: all released, tracking restarts)
+
+
+class Coalescer:
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self._warming: dict[tuple[int, str], asyncio.Future] = {}
+        self.waiting = 0  # requests waiting for a leader now
+
+    def check(self, pin: int, replica: str, known: bool, request: ParsedRequest) -> asyncio.Future | None:
+        """Before `request` goes to `replica`: the leader to wait for while another request computes
+        its tenant's prompt there; or None, after making this request the leader when it is the one
+        to compute it (`known`: the prefix index already places the prompt there)."""
+        key = (pin, replica)
+        leader = self._warming.get(key)
+        if leader is not None:
+            return None if leader.done() else leader
+        if not known and request.stream and request.warmed is None:
+            if len(self._warming) >= _MAX:
+                for other in list(self._warming):
+                    self._release(other)
+            self._warming[key] = asyncio.get_running_loop().create_future()
+            request.warmed = lambda: self._release(key)
+        return None
+
+    async def follow(self, pin: int, replica: str, leader: asyncio.Future) -> None:
+        """Wait for `leader` (from `check`) to relay its first token, at most `wait_s`."""
+        self.waiting += 1
+        try:
+            await asyncio.wait((leader,), timeout=self.wait_s)
+        finally:
+            self.waiting -= 1
+        key = (pin, replica)
+        if not leader.done() and self._warming.get(key) is leader:
+            self._release(key)  # the leader is slow: no one waits for it any more
+
+    def _release(self, key: tuple[int, str]) -> None:
+        leader = self._warming.pop(key, None)
+        if leader is not None and not leader.done():
+            leader.set_result(None)

@@ -1,0 +1,61 @@
+"""Cold-prompt coalescing (proxy/routing/affinity/coalesce.py): a request for a system prompt
+that another request is computing on the same replica waits for that one's first token."""
+from __future__ import annotations
+
+import concurrent.futures
+
+import openai
+
+from tests.conftest import MODEL, Servers, eventually, sim_of
+from tests.support import held
+
+SYSTEM = "You are the assistant of the coalescing test, and you answer briefly. " * 30
+
+
+def client(proxy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def messages(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def lead(proxy) -> str:
+    stream = client(proxy).chat.completions.create(model=MODEL, messages=messages("first"), stream=True, max_tokens=4)
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def follow(proxy) -> int:
+    answer = client(proxy).chat.completions.create(model=MODEL, messages=messages("second"), max_tokens=4)
+    return answer.usage.prompt_tokens_details.cached_tokens
+
+
+def test_a_prompt_being_computed_is_waited_for_not_computed_again(servers: Servers) -> None:
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim, routing={"policy": "prefix_affinity"})
+    coalescer = proxy.server.config.app.runtime.profile.policy.coalescer
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with held(sim.url):  # the leader stays before its prefill for as long as the test needs
+            first = pool.submit(lead, proxy)
+            assert eventually(lambda: sim_of(sim).stats()["held"] == 1, timeout=30)
+            second = pool.submit(follow, proxy)
+            assert eventually(lambda: coalescer.waiting == 1, timeout=30)
+            assert sim_of(sim).stats()["held"] == 1  # the follower is not at the replica
+        # released: the leader computes the prompt and streams; then the follower finds it cached
+        assert first.result()
+        cached = second.result()
+    assert cached >= 0.9 * len(SYSTEM) / 4, cached  # (the sim's tokens: ~4 characters each)
+    assert coalescer.waiting == 0 and not coalescer._warming
+
+
+def test_a_slow_leader_is_waited_for_at_most_coalesce_wait_s(servers: Servers) -> None:
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim, routing={"policy": "prefix_affinity", "prefix_affinity": {"coalesce_wait_s": 0.2}})
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with held(sim.url):
+            first = pool.submit(lead, proxy)
+            assert eventually(lambda: sim_of(sim).stats()["held"] == 1, timeout=30)
+            second = pool.submit(follow, proxy)
+            # the follower gave up waiting and computes the prompt beside the leader
+            assert eventually(lambda: sim_of(sim).stats()["held"] == 2, timeout=30)
+        assert first.result() and second.result() >= 0

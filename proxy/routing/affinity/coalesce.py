@@ -6,7 +6,7 @@ the same prompt side by side: vLLM caches a prompt's blocks only once computed, 
 pays the whole prefill, and a batch of them takes GPU time from everyone. Here the first
 *streamed* request whose prompt the prefix index does not place on its replica leads; a later
 request of the same tenant to the same replica, while the leader has not relayed its first token,
-waits for that (at most `coalesce_wait_s`) and then finds the prompt cached. Its time to first
+waits for that (until `coalesce_wait_s` after the leader began) and then finds the prompt cached. Its time to first
 token is about what computing the prompt itself would have taken. The leader is released by the
 data path (`ParsedRequest.warmed`: on its first SSE data event, and when its exchange ends,
 whatever happened); a non-streamed request never leads (its first byte is its last). Per proxy
@@ -24,37 +24,42 @@ _MAX = 4096  # prompts being computed at once that are tracked (beyond: all rele
 class Coalescer:
     def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s
-        self._warming: dict[tuple[int, str], asyncio.Future] = {}
+        # (tenant pin, replica) -> (released when the leader's first token is relayed, when it began)
+        self._warming: dict[tuple[int, str], tuple[asyncio.Future, float]] = {}
         self.waiting = 0  # requests waiting for a leader now
 
-    def check(self, pin: int, replica: str, known: bool, request: ParsedRequest) -> asyncio.Future | None:
+    def check(self, pin: int, replica: str, known: bool, request: ParsedRequest) -> tuple | None:
         """Before `request` goes to `replica`: the leader to wait for while another request computes
         its tenant's prompt there; or None, after making this request the leader when it is the one
-        to compute it (`known`: the prefix index already places the prompt there)."""
+        to compute it (`known`: the prefix index already places the prompt there). A leader older
+        than `wait_s` is no leader any more (its exchange may never have started: a failed pick)."""
         key = (pin, replica)
         leader = self._warming.get(key)
         if leader is not None:
-            return None if leader.done() else leader
-        if not known and request.stream and request.warmed is None:
+            if not leader[0].done() and asyncio.get_running_loop().time() - leader[1] < self.wait_s:
+                return leader
+            self._release(key)
+        if not known and request.stream:
+            if request.warmed is not None:  # picked again (a hook refused its first replica): lead here
+                request.warmed()
             if len(self._warming) >= _MAX:
                 for other in list(self._warming):
                     self._release(other)
-            self._warming[key] = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self._warming[key] = (loop.create_future(), loop.time())
             request.warmed = lambda: self._release(key)
         return None
 
-    async def follow(self, pin: int, replica: str, leader: asyncio.Future) -> None:
-        """Wait for `leader` (from `check`) to relay its first token, at most `wait_s`."""
+    async def follow(self, leader: tuple) -> None:
+        """Wait for `leader` (from `check`) to relay its first token, at most `wait_s` from its start."""
+        future, began = leader
         self.waiting += 1
         try:
-            await asyncio.wait((leader,), timeout=self.wait_s)
+            await asyncio.wait((future,), timeout=max(began + self.wait_s - asyncio.get_running_loop().time(), 0.0))
         finally:
             self.waiting -= 1
-        key = (pin, replica)
-        if not leader.done() and self._warming.get(key) is leader:
-            self._release(key)  # the leader is slow: no one waits for it any more
 
     def _release(self, key: tuple[int, str]) -> None:
         leader = self._warming.pop(key, None)
-        if leader is not None and not leader.done():
-            leader.set_result(None)
+        if leader is not None and not leader[0].done():
+            leader[0].set_result(None)

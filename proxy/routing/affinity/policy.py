@@ -137,7 +137,7 @@ class PrefixAffinity:
             if coalescer is not None and pin_blocks:
                 leader = coalescer.check(pin, name, match[0] >= pin_blocks and match[1] == name, request)
                 if leader is not None:
-                    await coalescer.follow(pin, name, leader)
+                    await coalescer.follow(leader)
         return chosen, reason
 
     def _positions(self, route: str, candidates: Sequence[Backend], now: float) -> dict[str, int]:

@@ -260,8 +260,12 @@ async def _attempt(
     in_flight.inc()
     series = metrics.series(route.name, backend.name, endpoint)
     progress = Progress(started, series.stream_sink) if spec is None else Progress(started, series.stream_sink, spec.marker)
-    warmed = progress.on_first = lease.request.warmed if lease.request is not None else None
+    parsed = lease.request
+    warmed = progress.on_first = parsed.warmed if parsed is not None else None
     try:
+        if parsed is not None and parsed.wait_for is not None:  # its prompt is being computed there
+            follow, parsed.wait_for = parsed.wait_for, None
+            await follow()
         code = await rt.upstream.exchange(
             backend, endpoint, body, rid, send, _response_headers(rt, id_header, backend, reason), progress,
             route.rename, retryable=True, timeouts=route.timeouts, head=None if spec is None else spec.head(backend, endpoint),

@@ -5,7 +5,7 @@ Everything else in the body is the upstream's business and is forwarded byte for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import orjson
 
@@ -50,6 +50,9 @@ class ParsedRequest:
     # set by prefix_affinity when this request computes a prompt others wait for: called once its
     # first token is relayed, or its exchange ended (proxy/routing/affinity/coalesce.py)
     warmed: Callable[[], None] | None = None
+    # set by prefix_affinity when another request computes this one's prompt on its replica: awaited
+    # by the data path once the lease counts this request in flight, before it is sent
+    wait_for: Callable[[], Awaitable[None]] | None = None
 
     @property
     def multimodal(self) -> bool:

@@ -33,7 +33,8 @@ def follow(proxy) -> int:
 def test_a_prompt_being_computed_is_waited_for_not_computed_again(servers: Servers) -> None:
     sim = servers.sim()
     proxy = servers.proxy_for(sim, routing={"policy": "prefix_affinity"})
-    coalescer = proxy.server.config.app.runtime.profile.policy.coalescer
+    runtime = proxy.server.config.app.runtime
+    coalescer = runtime.profile.policy.coalescer
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         with held(sim.url):  # the leader stays before its prefill for as long as the test needs
             first = pool.submit(lead, proxy)
@@ -41,6 +42,7 @@ def test_a_prompt_being_computed_is_waited_for_not_computed_again(servers: Serve
             second = pool.submit(follow, proxy)
             assert eventually(lambda: coalescer.waiting == 1, timeout=30)
             assert sim_of(sim).stats()["held"] == 1  # the follower is not at the replica
+            assert runtime.backends[0].in_flight == 2  # but it counts there (max_in_flight, load) while it waits
         # released: the leader computes the prompt and streams; then the follower finds it cached
         assert first.result()
         cached = second.result()

@@ -9,7 +9,10 @@ request of the same tenant to the same replica, while the leader has not relayed
 waits for that (until `coalesce_wait_s` after the leader began) and then finds the prompt cached. Its time to first
 token is about what computing the prompt itself would have taken. The leader is released by the
 data path (`ParsedRequest.warmed`: on its first SSE data event, and when its exchange ends,
-whatever happened); a non-streamed request never leads (its first byte is its last). Per proxy
+whatever happened); a non-streamed request never leads (its first byte is its last). A follower
+waits in the data path (`ParsedRequest.wait_for`) once its lease counts it in flight, so it
+counts against its replica's `max_in_flight` and load meanwhile, and a client that leaves while it
+waits is a disconnect before the first byte. Per proxy
 process: followers at other proxies compute as before.
 """
 from __future__ import annotations

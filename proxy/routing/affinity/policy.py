@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any, Sequence
 
 from proxy.config import AffinityConfig, Plain
@@ -136,8 +137,8 @@ class PrefixAffinity:
             coalescer = self.coalescer
             if coalescer is not None and pin_blocks:
                 leader = coalescer.check(pin, name, match[0] >= pin_blocks and match[1] == name, request)
-                if leader is not None:
-                    await coalescer.follow(leader)
+                if leader is not None:  # (awaited by the data path, counted in flight: not here)
+                    request.wait_for = partial(coalescer.follow, leader)
         return chosen, reason
 
     def _positions(self, route: str, candidates: Sequence[Backend], now: float) -> dict[str, int]:

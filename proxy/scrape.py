@@ -152,7 +152,8 @@ def decode_time(prev: _Previous, reading: Reading) -> float | None:
     if prev.itl_count is None or c < prev.itl_count or s < prev.itl_sum:
         prev.itl = None  # first scrape, or the backend restarted: no interval yet
     elif c - prev.itl_count >= _MIN_TOKENS:
-        prev.itl = (s - prev.itl_sum) / (c - prev.itl_count)
+        itl = (s - prev.itl_sum) / (c - prev.itl_count)
+        prev.itl = itl if 0.0 < itl < math.inf else None  # (a replica reporting infinities tells nothing)
     else:
         return prev.itl  # too few tokens to tell: keep the last reading and its start
     prev.itl_sum, prev.itl_count = s, c

@@ -37,6 +37,9 @@ def test_decode_time_is_the_mean_between_two_scrapes() -> None:
     assert abs(decode_time(prev, Reading(itl_sum=4.6, itl_count=300)) - 1.1 / 100) < 1e-12  # since 200, not 205
     assert decode_time(prev, Reading(itl_sum=0.1, itl_count=10)) is None  # restarted
     assert decode_time(prev, Reading()) is None  # no such metric
+    assert decode_time(prev, Reading(itl_sum=1.0, itl_count=100)) is None
+    assert decode_time(prev, Reading(itl_sum=float("inf"), itl_count=200)) is None  # a broken replica's answer
+    assert parse_vllm_metrics(b'vllm:inter_token_latency_seconds_sum{model_name="m"} +Inf\n').itl_sum == float("inf")
 
 
 def test_only_a_marked_lasting_difference_counts_and_it_holds_until_back_within_a_smaller_one() -> None:

@@ -47,7 +47,7 @@ def test_a_prompt_being_computed_is_waited_for_not_computed_again(servers: Serve
         assert first.result()
         cached = second.result()
     assert cached >= 0.9 * len(SYSTEM) / 4, cached  # (the sim's tokens: ~4 characters each)
-    assert coalescer.waiting == 0 and not coalescer._warming
+    assert coalescer.waiting == 0 and not coalescer.warming
 
 
 def test_a_slow_leader_is_waited_for_at_most_coalesce_wait_s(servers: Servers) -> None:

@@ -18,7 +18,7 @@ pooled cache bound of the count balance and still took the TTFT p99 below least_
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from proxy.routing.backends import Backend
 
@@ -33,6 +33,16 @@ _MAX = 4.0
 def counted(factor: float, strength: float) -> float:
     """What one request counts as on a replica of load `factor`, at `speed_balance` `strength`."""
     return 1.0 + strength * (factor - 1.0)
+
+
+def shares(candidates: Sequence[Backend], strength: float) -> list[float] | None:
+    """Each candidate's part of their summed speed, times their number (1 each while all count
+    alike: then None), as the balance guard and the packing repair split traffic."""
+    speeds = [1.0 / counted(b.load_factor, strength) for b in candidates]
+    total = sum(speeds)
+    if not strength or total >= len(candidates):
+        return None
+    return [len(candidates) * v / total for v in speeds]
 
 
 def factor(ratio: float, current: float) -> float:

@@ -23,7 +23,7 @@ from collections import deque
 from typing import Sequence
 
 from proxy.routing.backends import Backend
-from proxy.routing.speed import counted
+from proxy.routing import speed
 
 _SLACK = 10.0  # requests above (1 + eps) x mean: a cap at small counts is not a round robin
 _FILLING = 0.3  # extra relative headroom while the window fills (falls linearly to 0 when full)
@@ -110,10 +110,8 @@ class Balance:
         alike: then None), recomputed when some load factor changed."""
         if window.speeds != Backend.speed_version:
             window.speeds = Backend.speed_version
-            speeds = [1.0 / counted(b.load_factor, self.speed_balance) for b in candidates]
-            total = sum(speeds)
-            window.shares = ({b.name: len(candidates) * v / total for b, v in zip(candidates, speeds)}
-                             if total < len(candidates) else None)
+            parts = speed.shares(candidates, self.speed_balance)
+            window.shares = None if parts is None else {b.name: v for b, v in zip(candidates, parts)}
         return window.shares
 
     @staticmethod

@@ -6,14 +6,14 @@ the same prompt side by side: vLLM caches a prompt's blocks only once computed, 
 pays the whole prefill, and a batch of them takes GPU time from everyone. Here the first
 *streamed* request whose prompt the prefix index does not place on its replica leads; a later
 request of the same tenant to the same replica, while the leader has not relayed its first token,
-waits for that (until `coalesce_wait_s` after the leader began) and then finds the prompt cached. Its time to first
-token is about what computing the prompt itself would have taken. The leader is released by the
-data path (`ParsedRequest.warmed`: on its first SSE data event, and when its exchange ends,
-whatever happened); a non-streamed request never leads (its first byte is its last). A follower
-waits in the data path (`ParsedRequest.wait_for`) once its lease counts it in flight, so it
-counts against its replica's `max_in_flight` and load meanwhile, and a client that leaves while it
-waits is a disconnect before the first byte. Per proxy
-process: followers at other proxies compute as before.
+waits for that (until `coalesce_wait_s` after the leader began) and then finds the prompt
+cached. Its time to first token is about what computing the prompt itself would have taken. The
+leader is released by the data path (`ParsedRequest.warmed`: on its first SSE data event, and
+when its exchange ends, whatever happened); a non-streamed request never leads (its first byte is
+its last). A follower waits in the data path (`ParsedRequest.wait_for`) once its lease counts it
+in flight, so it counts against its replica's `max_in_flight` and load meanwhile, and a client
+that leaves while it waits is a disconnect before the first byte. Per proxy process: followers
+at other proxies compute as before.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Coalescer:
     def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s
         # (tenant pin, replica) -> (released when the leader's first token is relayed, when it began)
-        self._warming: dict[tuple[int, str], tuple[asyncio.Future, float]] = {}
+        self.warming: dict[tuple[int, str], tuple[asyncio.Future, float]] = {}
         self.waiting = 0  # requests waiting for a leader now
 
     def check(self, pin: int, replica: str, known: bool, request: ParsedRequest) -> tuple | None:
@@ -37,7 +37,7 @@ class Coalescer:
         to compute it (`known`: the prefix index already places the prompt there). A leader older
         than `wait_s` is no leader any more (its exchange may never have started: a failed pick)."""
         key = (pin, replica)
-        leader = self._warming.get(key)
+        leader = self.warming.get(key)
         if leader is not None:
             if not leader[0].done() and asyncio.get_running_loop().time() - leader[1] < self.wait_s:
                 return leader
@@ -45,11 +45,11 @@ class Coalescer:
         if not known and request.stream:
             if request.warmed is not None:  # picked again (a hook refused its first replica): lead here
                 request.warmed()
-            if len(self._warming) >= _MAX:
-                for other in list(self._warming):
+            if len(self.warming) >= _MAX:
+                for other in list(self.warming):
                     self._release(other)
             loop = asyncio.get_running_loop()
-            self._warming[key] = (loop.create_future(), loop.time())
+            self.warming[key] = (loop.create_future(), loop.time())
             request.warmed = lambda: self._release(key)
         return None
 
@@ -63,6 +63,6 @@ class Coalescer:
             self.waiting -= 1
 
     def _release(self, key: tuple[int, str]) -> None:
-        leader = self._warming.pop(key, None)
+        leader = self.warming.pop(key, None)
         if leader is not None and not leader[0].done():
             leader[0].set_result(None)

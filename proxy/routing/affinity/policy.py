@@ -135,8 +135,10 @@ class PrefixAffinity:
             if shared is not None and stale:
                 shared.remember(stale, name)
             coalescer = self.coalescer
-            if coalescer is not None and pin_blocks:
-                leader = coalescer.check(pin, name, match[0] >= pin_blocks and match[1] == name, request)
+            known = match[0] >= pin_blocks and match[1] == name
+            # (no call while nothing is being computed and this request will not lead)
+            if coalescer is not None and pin_blocks and (coalescer.warming or not known and request.stream):
+                leader = coalescer.check(pin, name, known, request)
                 if leader is not None:  # (awaited by the data path, counted in flight: not here)
                     request.wait_for = partial(coalescer.follow, leader)
         return chosen, reason

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from proxy.config import AffinityConfig
 from proxy.routing.backends import Backend
-from proxy.routing.speed import counted
+from proxy.routing.speed import shares
 from proxy.routing.packing import Layout, Packing
 from proxy.routing.affinity.load import LoadView
 from proxy.routing.affinity.store import TenantStore
@@ -125,11 +125,7 @@ class Repair:
         whole = sum(sizes) if all(sizes) else 0
         fair = [sum(counts) * (size / whole if whole else 1.0 / n) for size in sizes]
         pressure = [min(1.0, fair[i] / max(table.capacity(b, fair[i]), 1e-9)) for i, b in enumerate(candidates)]
-        speed = None
-        if cfg.speed_balance and any(b.load_factor != 1.0 for b in candidates):
-            inverse = [1.0 / counted(b.load_factor, cfg.speed_balance) for b in candidates]
-            speed = [n * v / sum(inverse) for v in inverse]
-        packing = Packing(fair, pressure, (1.0 + cfg.epsilon / 2) / n, flex, speed)
+        packing = Packing(fair, pressure, (1.0 + cfg.epsilon / 2) / n, flex, shares(candidates, cfg.speed_balance))
         undo = now - cfg.cool_down_requests
         banned = frozenset((pin, where[name]) for pin, (name, at) in table.came_from.items()
                            if at > undo and name in where)

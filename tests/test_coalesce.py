@@ -32,7 +32,8 @@ def follow(proxy) -> int:
 
 def test_a_prompt_being_computed_is_waited_for_not_computed_again(servers: Servers) -> None:
     sim = servers.sim()
-    proxy = servers.proxy_for(sim, routing={"policy": "prefix_affinity"})
+    # (a wait bound far beyond the test: the hold, not the clock, decides when the leader goes on)
+    proxy = servers.proxy_for(sim, routing={"policy": "prefix_affinity", "prefix_affinity": {"coalesce_wait_s": 600}})
     runtime = proxy.server.config.app.runtime
     coalescer = runtime.profile.policy.coalescer
     with concurrent.futures.ThreadPoolExecutor(2) as pool:

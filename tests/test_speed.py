@@ -93,7 +93,8 @@ def test_a_replica_half_as_fast_takes_a_smaller_share_and_the_others_stay_even(s
 
 def test_the_scrape_finds_the_slow_replica(servers: Servers) -> None:
     sims = [servers.sim(time_scale=1.0, itl_ms=4.0, prefill_ms_per_token=0.0) for _ in range(2)]
-    sims.append(servers.sim(time_scale=1.0, itl_ms=24.0, prefill_ms_per_token=0.0))
+    # 15x slower: a loaded machine's late wake-ups (a few ms per token) cannot blur it below 2x
+    sims.append(servers.sim(time_scale=1.0, itl_ms=60.0, prefill_ms_per_token=0.0))
     proxy = servers.proxy_for(*sims, routing={"policy": "round_robin"})
     runtime = proxy.server.config.app.runtime
     import httpx

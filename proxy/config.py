@@ -503,7 +503,11 @@ class RedisConfig(Strict):
     timeout_s: float = Field(
         0.05, gt=0, description="scales the background calls' timeout (20x, at least 1 s); no request waits on Redis"
     )
-    sync_interval_s: float = Field(0.1, gt=0, description="load view publish/read period")
+    sync_interval_s: float = Field(0.1, gt=0, description="load view publish/read period while no request is routed")
+    busy_sync_interval_s: float = Field(
+        0.02, gt=0, description="the same (and the prefix entries' send period) while requests are routed: what the "
+        "other proxies see is this much old, so at a higher request rate it lags by fewer requests"
+    )
     max_connections: int = Field(
         16, ge=2, description="Redis connections per proxy process for the background sync (plus one following the "
         "change stream)"

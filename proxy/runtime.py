@@ -62,6 +62,7 @@ class Runtime:
                 ttl_s=config.routing.prefix_affinity.shared_ttl_s,
                 timeout_s=config.redis.timeout_s,
                 sync_interval_s=config.redis.sync_interval_s,
+                busy_sync_interval_s=config.redis.busy_sync_interval_s,
                 max_connections=config.redis.max_connections,
                 local_load=self._local_load,
                 on_status=lambda up: self.metrics.redis_up.set(1 if up else 0),

@@ -144,6 +144,7 @@ class SharedState:
         ttl_s: float = 600.0,
         timeout_s: float = 0.05,
         sync_interval_s: float = 0.1,
+        busy_sync_interval_s: float = 0.02,
         local_load: Callable[[], dict[str, int]],
         on_status: Callable[[bool], None] = lambda up: None,
         max_connections: int = 16,
@@ -173,6 +174,10 @@ class SharedState:
         self.ttl = int(ttl_s)
         self.timeout = timeout_s
         self.sync_interval = sync_interval_s
+        # while requests are routed the load view and prefix entries go out this often: the other
+        # proxies' view lags by what this proxy routes in that time, so the busier, the shorter
+        self.busy_interval = min(busy_sync_interval_s, sync_interval_s)
+        self.busy = False  # a request was routed since the last load sync (the policy sets it)
         self.local_load = local_load
         self.on_status = on_status
         self.proxy_id = f"{os.uname().nodename}:{os.getpid()}:{id(self):x}"
@@ -370,7 +375,14 @@ class SharedState:
                         await client.connection_pool.disconnect()
                     except Exception:
                         pass
-            await asyncio.sleep(self.sync_interval if self.up else 1.0)
+            if not self.up:
+                await asyncio.sleep(1.0)
+                continue
+            # the next round: after the busy interval once a request is routed, else the sync interval
+            quiet_until = time.monotonic() + self.sync_interval
+            await asyncio.sleep(self.busy_interval)
+            while not self.busy and time.monotonic() < quiet_until and not self._closing:
+                await asyncio.sleep(self.busy_interval)
 
     async def _join(self) -> None:
         """Before (re)joining: note the stream's end, write our mirrored placements where the
@@ -406,10 +418,10 @@ class SharedState:
             log.info("republishing %d placements to redis stopped early: %s", len(items), _describe(exc))
 
     async def _flusher(self) -> None:
-        """Send queued changes: placement operations at once, index entries every sync interval."""
+        """Send queued changes: placement operations at once, index entries every busy interval."""
         while not self._closing:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.sync_interval)
+                await asyncio.wait_for(self._wake.wait(), self.busy_interval)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
@@ -520,6 +532,7 @@ class SharedState:
 
     async def _sync(self) -> None:
         """Publish our load (and tenant counts), read everyone else's."""
+        self.busy = False
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
         rates = self.local_rates(now) if self.local_rates is not None else {}

@@ -157,6 +157,35 @@ def test_prefix_entries_reach_other_proxies_and_late_joiners(redis_url: str) -> 
     asyncio.run(scenario())
 
 
+def test_a_busy_proxy_shares_its_load_at_the_busy_interval(redis_url: str) -> None:
+    """While requests are routed, the load view and prefix entries go out every
+    busy_sync_interval_s, not every sync_interval_s: the others' view lags by fewer requests at a
+    higher rate. (A 60 s idle period here: only the busy cadence can deliver within the test.)"""
+    async def scenario() -> None:
+        loads = {"gpu-0": 0}
+        a = SharedState(redis_url, local_load=lambda: dict(loads), sync_interval_s=60.0, busy_sync_interval_s=0.01)
+        b = SharedState(redis_url, local_load=dict, sync_interval_s=60.0, busy_sync_interval_s=0.01)
+        for s in (a, b):
+            s.start()
+        try:
+            await until(lambda: a.up and b.up)
+
+            def b_sees(load: int) -> bool:
+                a.busy = b.busy = True  # both route requests (the policy sets it on every decision)
+                return b.remote_load.get("gpu-0") == load
+
+            await until(lambda: b_sees(0), timeout=30.0)
+            loads["gpu-0"] = 7
+            await until(lambda: b_sees(7), timeout=30.0)
+            a.remember([21, 22], "gpu-3")  # prefix entries go out at the busy interval too
+            await until(lambda: b.longest([21, 22]) == (2, "gpu-3"), timeout=30.0)
+        finally:
+            for s in (a, b):
+                await s.stop()
+
+    asyncio.run(scenario())
+
+
 def test_a_placement_change_reaches_every_mirror_and_queued_writes_win(redis_url: str) -> None:
     """set_pin (shrink, re-home) is in the other proxies' mirrors shortly after; a change this
     proxy has queued but not sent yet is not overwritten by an older entry arriving meanwhile."""

@@ -104,7 +104,10 @@ class PrefixAffinity:
         pin, chain, pin_blocks = prefix_key(endpoint == CHAT, request.data, route.upstream_id, cfg.block_chars,
                                             cfg.max_blocks)
         shared = self.shared
-        match = shared.longest(chain) if shared is not None else None
+        match = None
+        if shared is not None:
+            shared.busy = True
+            match = shared.longest(chain)
         if match is None:
             match = self.index.longest(chain)
         wall = self._wall()

@@ -56,8 +56,8 @@ _MIRROR_BLOCKS = 262144  # prefix entries mirrored (an LRU): enough for every re
 _EXPIRE_EVERY_S = 10.0  # how often expired placements are dropped
 
 # One batch of changes, atomically, then one stream entry naming what changed. ARGV: proxy id,
-# stamp, stream max length, index entries (JSON or ''), then operations (op, pin, argument
-# count, arguments...):
+# stamp, stream max length, index entries (JSON or ''), prompts being computed (JSON or '',
+# proxy/routing/affinity/coalesce.py), then operations (op, pin, argument count, arguments...):
 #   S value          set (grow, shrink, re-home, refresh): last writer wins
 #   N value          set if absent (republishing a mirror to a Redis that restarted empty)
 #   G old value      compare-and-set of the members (proxies growing one tenant agree on one set)
@@ -70,7 +70,7 @@ _EXPIRE_EVERY_S = 10.0  # how often expired placements are dropped
 # Returns {last stream id, pin, value in force, ...} for the P and G operations.
 _FLUSH = """
 local changed, n, out = {}, 0, {}
-local i = 5
+local i = 6
 while i <= #ARGV do
   local op, pin, argc = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   local a = i + 3
@@ -98,9 +98,9 @@ while i <= #ARGV do
   i = a + argc
 end
 local id
-if n > 0 or ARGV[4] ~= '' then
+if n > 0 or ARGV[4] ~= '' or ARGV[5] ~= '' then
   id = redis.call('xadd', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'p', ARGV[1], 'i', ARGV[4],
-                  't', n > 0 and cjson.encode(changed) or '')
+                  't', n > 0 and cjson.encode(changed) or '', 'w', ARGV[5])
 else
   local last = redis.call('xrevrange', KEYS[2], '+', '-', 'COUNT', 1)
   id = last[1] and last[1][1] or '0-0'
@@ -201,6 +201,10 @@ class SharedState:
         self.mirrored = False  # the mirror has been filled from Redis at least once
         self._ops: dict[int, tuple[str, ...]] = {}  # pin -> placement operation not sent yet
         self._pending: dict[int, str] = {}  # index entries not sent yet
+        self._warm: list[tuple[str, str, bool, float]] = []  # prompts being computed here, not sent yet
+        # (pin, replica, computing): another proxy's leader began or ended (set by the policy)
+        self.on_warming: Callable[[int, str, bool], None] | None = None
+        self.warm_ttl = 2.0  # an older "being computed" entry is ignored (the leaders' wait bound)
         self._wake = asyncio.Event()
         self._cursor = "0-0"  # last stream entry applied
         self._cursor_key = (0, 0)
@@ -264,6 +268,13 @@ class SharedState:
                 self._pending[h] = backend
         while len(owner) > self.mirror_blocks:
             owner.popitem(last=False)
+
+    def warming(self, pin: int, replica: str, computing: bool) -> None:
+        """A leader of this proxy began (or ended) computing a tenant's prompt on `replica`: the
+        other proxies' followers wait for it too. Sent at once."""
+        if self.up:
+            self._warm.append((f"{pin:016x}", replica, computing, time.time()))
+            self._wake.set()
 
     def _queue(self, pin: int, op: tuple[str, ...]) -> None:
         self._ops[pin] = op
@@ -438,21 +449,23 @@ class SharedState:
         """Send everything queued now (the flusher does this; tests call it to settle)."""
         ops, self._ops = self._ops, {}
         pending, self._pending = self._pending, {}
+        warm, self._warm = self._warm, []
         index = ""
         if pending:
             by_backend: dict[str, list[int]] = {}
             for h, backend in pending.items():
                 by_backend.setdefault(backend, []).append(h)
             index = orjson.dumps(by_backend).decode()
+        warming = orjson.dumps(warm).decode() if warm else ""
         items = list(ops.items())
         for start in range(0, max(len(items), 1), _OPS_BATCH):
             batch = items[start:start + _OPS_BATCH]
-            if batch or index:
-                await self._send(batch, index)
-            index = ""
+            if batch or index or warming:
+                await self._send(batch, index, warming)
+            index = warming = ""
 
-    async def _send(self, ops: list[tuple[int, tuple[str, ...]]], index: str) -> None:
-        args: list[str] = [self.proxy_id, f"{time.time():.0f}", str(_LOG_MAXLEN), index]
+    async def _send(self, ops: list[tuple[int, tuple[str, ...]]], index: str, warming: str = "") -> None:
+        args: list[str] = [self.proxy_id, f"{time.time():.0f}", str(_LOG_MAXLEN), index, warming]
         for pin, (op, *rest) in ops:
             args += [op, f"{pin:016x}", str(len(rest)), *rest]
         answer = await asyncio.wait_for(self._flush_client.eval(_FLUSH, 2, PINS_KEY, LOG_KEY, *args), self.io_timeout)
@@ -503,6 +516,11 @@ class SharedState:
             if fields.get("t"):
                 for pin, value in orjson.loads(fields["t"]).items():
                     self._adopt(int(pin, 16), value)
+            if fields.get("w") and fields.get("p") != self.proxy_id and self.on_warming is not None:
+                now = time.time()
+                for pin, replica, computing, at in orjson.loads(fields["w"]):
+                    if now - at <= self.warm_ttl:  # (not the stream's retained past)
+                        self.on_warming(int(pin, 16), replica, bool(computing))
         except (ValueError, TypeError, AttributeError) as exc:
             log.debug("ignoring a malformed change entry: %s", exc)
 
@@ -626,6 +644,7 @@ class SharedState:
             self.remote_rate = {}
             self._pending = {}
             self._ops = {}
+            self._warm = []
             self.on_status(False)
 
 

@@ -561,6 +561,9 @@ def test_the_clock_counts_every_proxys_requests() -> None:
         def remember(self, hashes, backend):
             pass
 
+        def warming(self, pin, replica, computing):
+            pass
+
     others = TwoOthers()
     bs = backends(4)
     policy = PrefixAffinity(AffinityConfig(), others)  # type: ignore[arg-type]

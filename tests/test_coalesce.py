@@ -62,3 +62,27 @@ def test_a_slow_leader_is_waited_for_at_most_coalesce_wait_s(servers: Servers) -
             # the follower gave up waiting and computes the prompt beside the leader
             assert eventually(lambda: sim_of(sim).stats()["held"] == 2, timeout=30)
         assert first.result() and second.result() >= 0
+
+
+def test_a_follower_at_another_proxy_waits_for_the_leader_too(servers: Servers, redis_url: str) -> None:
+    """Two proxies sharing Redis: the leader's start reaches the other proxy through the change
+    stream, and a request there for the same prompt waits for the leader's first token."""
+    sim = servers.sim()
+    routing = {"policy": "prefix_affinity", "prefix_affinity": {"coalesce_wait_s": 600}}
+    a = servers.proxy_for(sim, routing=routing, redis={"url": redis_url})
+    b = servers.proxy_for(sim, routing=routing, redis={"url": redis_url})
+    runtime_b = b.server.config.app.runtime
+    coalescer_b = runtime_b.profile.policy.coalescer
+    assert eventually(lambda: runtime_b.shared.up and a.server.config.app.runtime.shared.up, timeout=30)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with held(sim.url):
+            first = pool.submit(lead, a)
+            assert eventually(lambda: sim_of(sim).stats()["held"] == 1, timeout=30)
+            assert eventually(lambda: coalescer_b.warming, timeout=30)  # a's leader, as b knows it
+            second = pool.submit(follow, b)
+            assert eventually(lambda: coalescer_b.waiting == 1, timeout=30)
+            assert sim_of(sim).stats()["held"] == 1  # the follower is not at the replica
+        assert first.result()
+        cached = second.result()
+    assert cached >= 0.9 * len(SYSTEM) / 4, cached
+    assert eventually(lambda: not coalescer_b.warming, timeout=30)  # a's release reached b

@@ -12,12 +12,18 @@ leader is released by the data path (`ParsedRequest.warmed`: on its first SSE da
 when its exchange ends, whatever happened); a non-streamed request never leads (its first byte is
 its last). A follower waits in the data path (`ParsedRequest.wait_for`) once its lease counts it
 in flight, so it counts against its replica's `max_in_flight` and load meanwhile, and a client
-that leaves while it waits is a disconnect before the first byte. Per proxy process: followers
-at other proxies compute as before.
+that leaves while it waits is a disconnect before the first byte.
+
+With shared state (Redis) the proxies tell each other: a leader's start and release go out in the
+change stream at once (`publish`, proxy/shared.py `warming`), and a follower at another proxy
+waits for it alike (`remote`), so a new tenant's first requests spread over three proxies compute
+its prompt once, not three times. A request that arrives within the stream's delivery time
+(~1 ms) of the leader still computes beside it.
 """
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 from proxy.parse import ParsedRequest
 
@@ -25,8 +31,10 @@ _MAX = 4096  # prompts being computed at once that are tracked (beyond: all rele
 
 
 class Coalescer:
-    def __init__(self, wait_s: float) -> None:
+    def __init__(self, wait_s: float, publish: Callable[[int, str, bool], None] | None = None) -> None:
         self.wait_s = wait_s
+        self.publish = publish  # (pin, replica, computing) to the other proxies: a leader began / ended
+        self._mine: set[tuple[int, str]] = set()  # the leaders of this proxy (the others' are only followed)
         # (tenant pin, replica) -> (released when the leader's first token is relayed, when it began)
         self.warming: dict[tuple[int, str], tuple[asyncio.Future, float]] = {}
         self.waiting = 0  # requests waiting for a leader now
@@ -45,13 +53,21 @@ class Coalescer:
         if not known and request.stream:
             if request.warmed is not None:  # picked again (a hook refused its first replica): lead here
                 request.warmed()
-            if len(self.warming) >= _MAX:
-                for other in list(self.warming):
-                    self._release(other)
-            loop = asyncio.get_running_loop()
-            self.warming[key] = (loop.create_future(), loop.time())
+            self._track(key)
             request.warmed = lambda: self._release(key)
+            if self.publish is not None:
+                self._mine.add(key)
+                self.publish(pin, replica, True)
         return None
+
+    def remote(self, pin: int, replica: str, computing: bool) -> None:
+        """Another proxy's leader began computing this tenant's prompt on `replica`, or relayed its
+        first token: followers here wait for it, or go now."""
+        key = (pin, replica)
+        if not computing:
+            self._release(key)
+        elif key not in self.warming:
+            self._track(key)
 
     async def follow(self, leader: tuple) -> None:
         """Wait for `leader` (from `check`) to relay its first token, at most `wait_s` from its start."""
@@ -62,7 +78,19 @@ class Coalescer:
         finally:
             self.waiting -= 1
 
+    def _track(self, key: tuple[int, str]) -> None:
+        """A prompt being computed from now (bounded: past _MAX all are released)."""
+        if len(self.warming) >= _MAX:
+            for other in list(self.warming):
+                self._release(other)
+        loop = asyncio.get_running_loop()
+        self.warming[key] = (loop.create_future(), loop.time())
+
     def _release(self, key: tuple[int, str]) -> None:
         leader = self.warming.pop(key, None)
         if leader is not None and not leader[0].done():
             leader[0].set_result(None)
+        if key in self._mine:
+            self._mine.discard(key)
+            if self.publish is not None:
+                self.publish(key[0], key[1], False)

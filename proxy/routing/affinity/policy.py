@@ -51,7 +51,12 @@ class PrefixAffinity:
         self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack,
                                 config.speed_balance)
                         if config.balance_window_requests else None)
-        self.coalescer = Coalescer(config.coalesce_wait_s) if config.coalesce_wait_s > 0 else None
+        self.coalescer = None
+        if config.coalesce_wait_s > 0:
+            self.coalescer = Coalescer(config.coalesce_wait_s, shared.warming if shared is not None else None)
+            if shared is not None:
+                shared.on_warming = self.coalescer.remote
+                shared.warm_ttl = config.coalesce_wait_s
         self.placement = Placement(config, self.view, self.tenants, self.table, self.store, self.repair.soon)
         # route -> replica names of its last request; and (its replicas, name -> position) to
         # skip comparing names while the candidates are the same objects

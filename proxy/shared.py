@@ -6,8 +6,9 @@ changes it (`place`, `grow`, `set_pin`, `remember`), synchronously. Behind it:
 
 - a **flusher** sends the changes in one atomic script per batch (`_FLUSH`): index entries,
   unconditional placement writes, set-if-absent placements of new tenants (first writer wins)
-  and compare-and-set growths. Placement changes wake it at once; index entries ride along or
-  go every `sync_interval_s`. The script appends everything it changed to one Redis stream;
+  and compare-and-set growths, and the prompts its coalescing leaders are computing. Placement
+  changes and those wake it at once; index entries ride along or go every
+  `busy_sync_interval_s`. The script appends everything it changed to one Redis stream;
 - a **reader** follows that stream (XREAD BLOCK on a connection of its own) and applies the
   other proxies' entries: a tenant another proxy placed first is adopted as soon as its entry
   arrives (milliseconds), and a proxy that lost a placement race adopts the winner from its own
@@ -49,7 +50,8 @@ _TENANTS_EVERY_S = 1.0  # how often a proxy publishes them
 _TENANTS_TOP = 2048  # tenants per proxy published (the planner moves the ones that carry traffic)
 PINS_KEY = "vp:pins"  # field: pin key (hex) -> "replica,replica,...|unix time of the last write"
 LOG_KEY = "vp:log"  # stream of changes: p = proxy id, i = index entries, t = placements changed
-_LOG_MAXLEN = 2000  # entries kept (at most one per proxy and flush): the recent past, bounded memory
+_LOG_MAXLEN = 10000  # entries kept (at most one per proxy and flush, up to 50 a second): the recent past, bounded
+_WARM_PER_ENTRY = 256  # "being computed" items applied per stream entry (a hostile entry stalls nothing)
 _READ_COUNT = 500  # stream entries per read
 _OPS_BATCH = 500  # placement operations per script call
 _MIRROR_BLOCKS = 262144  # prefix entries mirrored (an LRU): enough for every replica's cache
@@ -202,8 +204,9 @@ class SharedState:
         self._ops: dict[int, tuple[str, ...]] = {}  # pin -> placement operation not sent yet
         self._pending: dict[int, str] = {}  # index entries not sent yet
         self._warm: list[tuple[str, str, bool, float]] = []  # prompts being computed here, not sent yet
-        # (pin, replica, computing): another proxy's leader began or ended (set by the policy)
-        self.on_warming: Callable[[int, str, bool], None] | None = None
+        # (pin, replica, computing, seconds since): another proxy's leader began or ended; pin None:
+        # nothing more will be heard of them (Redis went away), every one ended (set by the policy)
+        self.on_warming: Callable[[int | None, str, bool, float], None] | None = None
         self.warm_ttl = 2.0  # an older "being computed" entry is ignored (the leaders' wait bound)
         self._wake = asyncio.Event()
         self._cursor = "0-0"  # last stream entry applied
@@ -349,12 +352,13 @@ class SharedState:
         try:  # last writes and our entries out of the load view, side by side and bounded
             last = [self.client.hdel(LOAD_KEY, *[f"{self.proxy_id}|{b}" for b in self.local_load()] or ["-"]),
                     self.client.hdel(TENANTS_KEY, self.proxy_id)]
-            if self.up and (self._ops or self._pending):
+            if self.up and (self._ops or self._pending or self._warm):
                 last.append(self.flush())
             await asyncio.wait_for(asyncio.gather(*last, return_exceptions=True), self.io_timeout)
         except Exception:
             pass
         finally:  # also when the shutdown is cancelled: no socket left for the garbage collector
+            self.up = False  # (what is queued from now on has no flusher to send it)
             await self.close()
 
     async def close(self) -> None:
@@ -518,9 +522,11 @@ class SharedState:
                     self._adopt(int(pin, 16), value)
             if fields.get("w") and fields.get("p") != self.proxy_id and self.on_warming is not None:
                 now = time.time()
-                for pin, replica, computing, at in orjson.loads(fields["w"]):
-                    if now - at <= self.warm_ttl:  # (not the stream's retained past)
-                        self.on_warming(int(pin, 16), replica, bool(computing))
+                for pin, replica, computing, at in orjson.loads(fields["w"])[:_WARM_PER_ENTRY]:
+                    age = now - at
+                    # (not the stream's retained past, nor a clock far ahead of ours)
+                    if isinstance(replica, str) and -self.warm_ttl <= age <= self.warm_ttl:
+                        self.on_warming(int(pin, 16), replica, bool(computing), age if age > 0.0 else 0.0)
         except (ValueError, TypeError, AttributeError) as exc:
             log.debug("ignoring a malformed change entry: %s", exc)
 
@@ -645,6 +651,8 @@ class SharedState:
             self._pending = {}
             self._ops = {}
             self._warm = []
+            if self.on_warming is not None:  # the others' releases will not arrive: nobody waits for them
+                self.on_warming(None, "", False, 0.0)
             self.on_status(False)
 
 

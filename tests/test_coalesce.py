@@ -86,3 +86,38 @@ def test_a_follower_at_another_proxy_waits_for_the_leader_too(servers: Servers, 
         cached = second.result()
     assert cached >= 0.9 * len(SYSTEM) / 4, cached
     assert eventually(lambda: not coalescer_b.warming, timeout=30)  # a's release reached b
+
+
+def test_the_other_proxies_leaders_are_bounded_and_dropped_with_redis() -> None:
+    """A remote leader is waited for at most coalesce_wait_s from when it began (its age in the
+    stream counts), and not at all once Redis went away (its release cannot arrive); a leader
+    released late does not release the one that followed it."""
+    import asyncio
+
+    from proxy.parse import CHAT, parse_request
+    from proxy.routing.affinity.coalesce import Coalescer
+
+    async def scenario() -> None:
+        sent: list = []
+        c = Coalescer(600.0, lambda *args: sent.append(args))
+        request = parse_request(CHAT, b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}')
+        c.remote(1, "r0", True, 0.0)
+        follower = c.check(1, "r0", False, request)
+        assert follower is not None  # waits for the other proxy's leader
+        c.remote(None, "", False, 0.0)  # Redis went away
+        await asyncio.wait_for(c.follow(follower), 5)  # released, not after 600 s
+        c.remote(2, "r0", True, 600.0)  # began as long ago as the wait bound: no one waits
+        assert c.check(2, "r0", True, parse_request(CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}')) is None
+        # a local leader's late release leaves its successor alone
+        first = parse_request(CHAT, b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}')
+        assert c.check(3, "r1", False, first) is None and sent[-1] == (3, "r1", True)
+        stale = first.warmed
+        c._release((3, "r1"))  # (expired: the next request leads)
+        second = parse_request(CHAT, b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}')
+        assert c.check(3, "r1", False, second) is None
+        stale()
+        assert (3, "r1") in c.warming  # the second leader still holds its followers
+        second.warmed()
+        assert (3, "r1") not in c.warming and sent[-1] == (3, "r1", False)
+
+    asyncio.run(scenario())

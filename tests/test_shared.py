@@ -175,7 +175,12 @@ def test_a_busy_proxy_shares_its_load_at_the_busy_interval(redis_url: str) -> No
                 return b.remote_load.get("gpu-0") == load
 
             await until(lambda: b_sees(0), timeout=30.0)
+            await until(lambda: not a.busy)  # a's sync round took its load (before its first await)
             loads["gpu-0"] = 7
+            for _ in range(50):  # idle, a keeps it to itself (b, busy, reads every 10 ms meanwhile)
+                b.busy = True
+                await asyncio.sleep(0.01)
+            assert b.remote_load.get("gpu-0") == 0
             await until(lambda: b_sees(7), timeout=30.0)
             a.remember([21, 22], "gpu-3")  # prefix entries go out at the busy interval too
             await until(lambda: b.longest([21, 22]) == (2, "gpu-3"), timeout=30.0)

@@ -34,7 +34,8 @@ class Coalescer:
     def __init__(self, wait_s: float, publish: Callable[[int, str, bool], None] | None = None) -> None:
         self.wait_s = wait_s
         self.publish = publish  # (pin, replica, computing) to the other proxies: a leader began / ended
-        self._mine: set[tuple[int, str]] = set()  # the leaders of this proxy (the others' are only followed)
+        self._mine: set[tuple[int, str]] = set()  # the leaders of this proxy
+        self._remote: set[tuple[int, str]] = set()  # the other proxies' leaders followed here
         # (tenant pin, replica) -> (released when the leader's first token is relayed, when it began)
         self.warming: dict[tuple[int, str], tuple[asyncio.Future, float]] = {}
         self.waiting = 0  # requests waiting for a leader now
@@ -53,21 +54,32 @@ class Coalescer:
         if not known and request.stream:
             if request.warmed is not None:  # picked again (a hook refused its first replica): lead here
                 request.warmed()
-            self._track(key)
-            request.warmed = lambda: self._release(key)
+            future = self._track(key)
+            request.warmed = lambda: self._release(key, future)
             if self.publish is not None:
                 self._mine.add(key)
                 self.publish(pin, replica, True)
         return None
 
-    def remote(self, pin: int, replica: str, computing: bool) -> None:
-        """Another proxy's leader began computing this tenant's prompt on `replica`, or relayed its
-        first token: followers here wait for it, or go now."""
+    def remote(self, pin: int | None, replica: str, computing: bool, age: float) -> None:
+        """Another proxy's leader began computing this tenant's prompt on `replica` `age` seconds
+        ago, or relayed its first token: followers here wait for it (as long as for a leader of
+        this proxy's, from its start), or go now. `pin` None: the others' leaders will not be
+        heard of any more (Redis went away): every follower of theirs goes now."""
+        if pin is None:
+            for key in list(self._remote):
+                self._release(key)
+            return
         key = (pin, replica)
         if not computing:
+            if key in self._remote:
+                self._release(key)
+            return
+        leader = self.warming.get(key)
+        if leader is None or leader[0].done() or asyncio.get_running_loop().time() - leader[1] >= self.wait_s:
             self._release(key)
-        elif key not in self.warming:
-            self._track(key)
+            self._track(key, age)
+            self._remote.add(key)
 
     async def follow(self, leader: tuple) -> None:
         """Wait for `leader` (from `check`) to relay its first token, at most `wait_s` from its start."""
@@ -78,18 +90,26 @@ class Coalescer:
         finally:
             self.waiting -= 1
 
-    def _track(self, key: tuple[int, str]) -> None:
-        """A prompt being computed from now (bounded: past _MAX all are released)."""
+    def _track(self, key: tuple[int, str], age: float = 0.0) -> asyncio.Future:
+        """A prompt being computed since `age` seconds ago (bounded: past _MAX all are released)."""
         if len(self.warming) >= _MAX:
             for other in list(self.warming):
                 self._release(other)
         loop = asyncio.get_running_loop()
-        self.warming[key] = (loop.create_future(), loop.time())
+        future = loop.create_future()
+        self.warming[key] = (future, loop.time() - age)
+        return future
 
-    def _release(self, key: tuple[int, str]) -> None:
-        leader = self.warming.pop(key, None)
-        if leader is not None and not leader[0].done():
+    def _release(self, key: tuple[int, str], future: asyncio.Future | None = None) -> None:
+        """Followers of the leader of `key` go now (only if it is still `future`'s, when given:
+        a leader released late does not release its successor)."""
+        leader = self.warming.get(key)
+        if leader is None or future is not None and leader[0] is not future:
+            return
+        del self.warming[key]
+        if not leader[0].done():
             leader[0].set_result(None)
+        self._remote.discard(key)
         if key in self._mine:
             self._mine.discard(key)
             if self.publish is not None:

@@ -263,9 +263,10 @@ class AffinityConfig(Strict):
     )
     shared_ttl_s: float = Field(600.0, gt=0, description="lifetime of a prefix entry / tenant placement in Redis")
     coalesce_wait_s: float = Field(
-        2.0, ge=0, description="a request for a system prompt that a streamed request of this proxy is computing on "
-        "the same replica right now waits for that one's first token (until this long after that one began) rather than compute the "
-        "prompt again beside it (vLLM caches a prompt's blocks once computed); 0 turns this off"
+        2.0, ge=0, description="a request for a system prompt that a streamed request is computing on the same replica "
+        "right now (at this proxy, or at another one sharing Redis) waits for that one's first token (until this long "
+        "after that one began) rather than compute the prompt again beside it (vLLM caches a prompt's blocks once "
+        "computed); 0 turns this off"
     )
     window_requests: float = Field(
         3000.0, gt=0, description="the policy's memory, in requests over all proxies (not seconds, so the same "

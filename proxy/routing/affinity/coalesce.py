@@ -48,7 +48,7 @@ class Coalescer:
         key = (pin, replica)
         leader = self.warming.get(key)
         if leader is not None:
-            if not leader[0].done() and asyncio.get_running_loop().time() - leader[1] < self.wait_s:
+            if self._live(leader):
                 return leader
             self._release(key)
         if not known and request.stream:
@@ -76,7 +76,7 @@ class Coalescer:
                 self._release(key)
             return
         leader = self.warming.get(key)
-        if leader is None or leader[0].done() or asyncio.get_running_loop().time() - leader[1] >= self.wait_s:
+        if leader is None or not self._live(leader):
             self._release(key)
             self._track(key, age)
             self._remote.add(key)
@@ -89,6 +89,10 @@ class Coalescer:
             await asyncio.wait((future,), timeout=max(began + self.wait_s - asyncio.get_running_loop().time(), 0.0))
         finally:
             self.waiting -= 1
+
+    def _live(self, leader: tuple[asyncio.Future, float]) -> bool:
+        """Still computing, and begun less than `wait_s` ago."""
+        return not leader[0].done() and asyncio.get_running_loop().time() - leader[1] < self.wait_s
 
     def _track(self, key: tuple[int, str], age: float = 0.0) -> asyncio.Future:
         """A prompt being computed since `age` seconds ago (bounded: past _MAX all are released)."""

@@ -44,7 +44,8 @@ class SimulatedClock:
         return self.now
 
 
-def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concurrency: int) -> dict:
+def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concurrency: int,
+           slow: int = 0, slowdown: float = 2.0, known_after: int = 200) -> dict:
     args = affinity.parse_args(["--shape", shape, "--seed", str(seed), "--requests", str(requests)])
     workload, sizing = affinity.build_shape(shape, args)
     backends = []
@@ -63,6 +64,10 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
         start = clock.now
         for i, turn in enumerate(workload.turns):
             clock.now = start + i / rate
+            if slow and i == known_after:  # the scrape has seen the slow replicas' decode times
+                for backend in backends[len(backends) - slow:]:
+                    backend.load_factor = slowdown
+                Backend.speed_version += 1
             if len(in_flight) >= concurrency:
                 in_flight.popleft().in_flight -= 1
             request = parse_request(CHAT, orjson.dumps(turn.body(workload.spec)))
@@ -72,7 +77,12 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
             in_flight.append(backend)
             served.append(backends.index(backend))
 
-    asyncio.run(route_all())
+    try:
+        asyncio.run(route_all())
+    finally:
+        for backend in backends:
+            backend.load_factor = 1.0
+        Backend.speed_version += 1
     bodies = [t.body(workload.spec) for t in workload.turns]
     model, block = workload.spec.model, args.block_size
     bound = pooled_hit_rate(bodies, model=model, block_size=block, num_blocks=sizing["fleet_blocks"])["per_request"]
@@ -106,10 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--knobs", default="{}", help="routing.prefix_affinity settings as JSON")
     p.add_argument("--rate", type=float, default=160.0, help="requests a second on the simulated clock")
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--slow-replicas", type=int, default=0, help="the last this many replicas decode --slowdown "
+                   "times slower (their load factor, as the scrape would set it, from --known-after requests on)")
+    p.add_argument("--slowdown", type=float, default=2.0)
+    p.add_argument("--known-after", type=int, default=200)
     args = p.parse_args(argv)
     results = []
     for seed in seeds(args.seeds):
-        r = replay(args.shape, seed, args.requests, json.loads(args.knobs), args.rate, args.concurrency)
+        r = replay(args.shape, seed, args.requests, json.loads(args.knobs), args.rate, args.concurrency,
+                   args.slow_replicas, args.slowdown, args.known_after)
         results.append(r)
         print(f"seed {seed}: share {r['share']:.3f}, by quarter {' '.join(f'{q:.3f}' for q in r['quarters'])}, "
               f"max/mean {r['max_over_mean']:.2f}", flush=True)

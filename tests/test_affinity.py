@@ -353,6 +353,55 @@ def test_packing_looks_two_changes_deep() -> None:
     assert sum(packing.costs(counts, fixed)) < sum(packing.costs(start.counts, start.fixed)) / 2
 
 
+def test_packing_moves_a_member_of_a_hot_tenant_to_an_idle_replica() -> None:
+    """A hot tenant (0.4 of the traffic) shares replica 1 with a heavy tenant while replica 0
+    sits nearly idle and replica 3 decodes slower: replacing the hot tenant's member 1 by
+    replica 0 evens out the traffic in one change, its other member staying in place."""
+    speed = [1.09, 1.09, 1.09, 0.727]  # speed.shares of one replica 2x slower, speed_balance 0.5
+    singles = [[(0.017, 1)], [(0.304, 3)], [(0.279, 2)], []]
+    fixed = [sum(x for x, _ in side) for side in singles]
+    movable = Layout([1, 2, 1, 1], fixed, singles, flex=((0.4, 0, (1, 3)),))
+    packing = Packing([1.25] * 4, [1.0] * 4, 1.05 / 4, [], speed)
+    moves = packing.plan(movable)
+    assert moves == ((0.4, 0, 1, 0),)
+    after = movable.after(moves)
+    assert after.flex == ((0.4, 0, (0, 3)),) and after.counts == [2, 1, 1, 1] and after.fixed == fixed
+    assert max(packing.loads(after.fixed, after.flex)) < max(packing.loads(fixed, movable.flex)) - 0.05
+    # not marked movable, the same evening out takes two tenants moved (two prompts recomputed)
+    fixed_flex = Packing([1.25] * 4, [1.0] * 4, 1.05 / 4, [(0.4, [1, 3])], speed)
+    stay = Layout([1, 2, 1, 1], fixed, singles)
+    instead = fixed_flex.plan(stay)
+    assert len(instead) == 2 and all(pin != 0 for _, pin, _, _ in instead)
+    assert max(fixed_flex.loads(stay.after(instead).fixed)) == pytest.approx(max(packing.loads(after.fixed, after.flex)))
+
+
+def test_the_repair_replaces_a_member_of_a_multi_replica_set_in_place() -> None:
+    """The packing repair's change to a hot tenant's set keeps its other members and their order,
+    and bans the replica it left (as for a moved single-replica tenant); its cool-down runs on."""
+    bs = backends(4)
+    for b in bs:
+        b.cache_tokens = 100_000
+    bs[3].load_factor = 2.0
+    Backend.speed_version += 1
+    try:
+        policy = PrefixAffinity(AffinityConfig(move_after_requests=0, grow_min_requests=0))
+        now, wall = policy.clock, time.time()
+        sets = {1: ("gpu-1", "gpu-3"), 2: ("gpu-2",), 3: ("gpu-1",), 4: ("gpu-0",)}
+        shares = {1: 0.4, 2: 0.279, 3: 0.304, 4: 0.017}
+        for pin, members in sets.items():
+            policy.pins[pin] = (members, wall - 1)
+            policy.tenant_rate.add(pin, now, shares[pin] * 2000)
+        policy.tenant_rate.add(None, now, 2000.0)
+        policy.table.changed[1] = now - 5000.0
+        assert policy.repair.plan(bs, now) == [(1, ("gpu-1", "gpu-3"), ("gpu-0", "gpu-3"))]
+        asyncio.run(policy.repair.run(bs, now + policy.config.rebalance_every_requests))
+        assert policy.pins[1][0] == ("gpu-0", "gpu-3")
+        assert policy.table.came_from[1][0] == "gpu-1" and policy.table.changed[1] == now - 5000.0
+    finally:
+        bs[3].load_factor = 1.0
+        Backend.speed_version += 1
+
+
 def test_packing_evens_out_traffic_below_the_target_too() -> None:
     """Prompts evenly spread (20 small tenants per replica), one replica a little past the traffic
     target and two below the mean (a layout the weak shape settled into: max/mean 1.11 over the

@@ -16,10 +16,15 @@ than by small load differences. So a layout costs, per replica:
 A change is a move of a single-replica tenant or a swap of two. Getting out of a crowded corner
 often needs two changes where the first alone costs more (move a heavy tenant out, then a light
 one in), so the search looks two changes deep, keeping the best few first changes (a beam).
-Tenants on several replicas are never moved: new conversations fill their least-loaded members,
-so they absorb imbalance (their traffic is water-filled into their members). A tenant is not
-moved back where it came from for a while: share estimates are noisy (with three proxies the
-planner sees a third of the traffic) and the load term is steep, so undoing is mostly noise.
+A tenant on several replicas absorbs imbalance (new conversations fill its least-loaded member:
+its traffic is water-filled into its members, in parts of their speed). When the caller marks
+it movable (`Layout.flex`), one of its members may be replaced by another replica, alone or in a
+swap with a single-replica tenant there: on a fleet with a slower replica, a hot tenant that
+grew onto it (before its speed was known, or by load alone) fills that replica's small part of
+the traffic by itself, leaving its cache nearly empty while the fast ones crowd; the slow
+replica serves the fleet best holding many light tenants. A tenant is not moved back where it
+came from for a while: share estimates are noisy (with three proxies the planner sees a third of
+the traffic) and the load term is steep, so undoing is mostly noise.
 """
 from __future__ import annotations
 
@@ -42,29 +47,51 @@ _BEAM = 6  # first changes explored a second step deep
 Move = tuple[float, int, int, int]  # (tenant share, pin, from replica, to replica)
 
 
+Flex = tuple[tuple[float, int, tuple[int, ...]], ...]  # movable multi-replica tenants (share, pin, replicas)
+
+
 @dataclass
 class Layout:
     counts: list[int]  # tenants (prompts) per replica
     fixed: list[float]  # traffic share of its single-replica tenants
     singles: list[list[tuple[float, int]]]  # its movable tenants (share, pin), sorted
     banned: frozenset[tuple[int, int]] = frozenset()  # (pin, replica) moves not to make: recent undos
+    flex: Flex = ()  # multi-replica tenants one of whose members may move
+
+    def __post_init__(self) -> None:
+        self.multi = frozenset(pin for _, pin, _ in self.flex)
 
     def shifted(self, moves: tuple[Move, ...]) -> tuple[list[int], list[float]]:
         """Tenants and fixed traffic per replica after `moves`."""
-        counts, fixed = list(self.counts), list(self.fixed)
-        for share, _, a, b in moves:
+        counts, fixed, multi = list(self.counts), list(self.fixed), self.multi
+        for share, pin, a, b in moves:
             counts[a] -= 1
             counts[b] += 1
-            fixed[a] -= share
-            fixed[b] += share
+            if pin not in multi:  # (a member move leaves the traffic to the water-fill)
+                fixed[a] -= share
+                fixed[b] += share
         return counts, fixed
+
+    def moved(self, moves: tuple[Move, ...]) -> Flex:
+        """The movable multi-replica tenants after `moves`."""
+        if not self.multi or not any(m[1] in self.multi for m in moves):
+            return self.flex
+        swap = {pin: (a, b) for _, pin, a, b in moves}
+        out = []
+        for share, pin, inside in self.flex:
+            if pin in swap:
+                a, b = swap[pin]
+                inside = tuple(b if i == a else i for i in inside)
+            out.append((share, pin, inside))
+        return tuple(out)
 
     def after(self, moves: tuple[Move, ...]) -> Layout:
         singles = list(self.singles)
         for share, pin, a, b in moves:
-            singles[a] = [t for t in singles[a] if t[1] != pin]
-            singles[b] = sorted(singles[b] + [(share, pin)])
-        return Layout(*self.shifted(moves), singles, self.banned)
+            if pin not in self.multi:
+                singles[a] = [t for t in singles[a] if t[1] != pin]
+                singles[b] = sorted(singles[b] + [(share, pin)])
+        return Layout(*self.shifted(moves), singles, self.banned, self.moved(moves))
 
 
 class Packing:
@@ -73,28 +100,36 @@ class Packing:
         self.fair, self.target = fair, target
         self.speed = speed  # each replica's part of the fleet's speed x replicas (None: all alike)
         self.weight = [_ROOM_COST * p for p in pressure]
-        self.flex = sorted(flex, reverse=True)  # (share, replicas) of multi-replica tenants
+        self.flex = sorted(flex, reverse=True)  # (share, replicas) of multi-replica tenants that stay
         self.n = len(fair)
 
-    def loads(self, fixed: list[float]) -> list[float]:
-        loads = list(fixed)
-        for share, inside in self.flex:  # water-fill the tenant's traffic into its members
-            levels = sorted(loads[i] for i in inside)
-            k, level = 1, levels[0] + share
-            while k < len(levels) and level > levels[k]:
-                k += 1
-                level = (sum(levels[:k]) + share) / k
+    def loads(self, fixed: list[float], flex: Flex = ()) -> list[float]:
+        """Traffic per replica in parts of its speed: the fixed part, and each multi-replica
+        tenant's water-filled into its members (the least loaded first, as new conversations go)."""
+        speed = self.speed or [1.0] * self.n
+        loads = [f / s for f, s in zip(fixed, speed)]
+        tenants = self.flex if not flex else sorted(self.flex + [(share, list(inside)) for share, _, inside in flex],
+                                                    reverse=True)
+        for share, inside in tenants:
+            # the level L with sum over members of speed x max(0, L - load) = share
+            members = sorted(inside, key=loads.__getitem__)
+            width, filled, level = 0.0, 0.0, 0.0
+            for k, i in enumerate(members):
+                width += speed[i]
+                filled += speed[i] * loads[i]
+                level = (filled + share) / width
+                if k + 1 == len(members) or level <= loads[members[k + 1]]:
+                    break
             for i in inside:
-                loads[i] = max(loads[i], level)
+                if loads[i] < level:
+                    loads[i] = level
         return loads
 
     def room(self, counts: list[int]) -> list[float]:
         return [w * (c - f) ** 2 for w, c, f in zip(self.weight, counts, self.fair)]
 
-    def costs(self, counts: list[int], fixed: list[float]) -> list[float]:
-        target, loads = self.target, self.loads(fixed)
-        if self.speed:  # traffic in parts of what each replica can take
-            loads = [load / speed for load, speed in zip(loads, self.speed)]
+    def costs(self, counts: list[int], fixed: list[float], flex: Flex = ()) -> list[float]:
+        target, loads = self.target, self.loads(fixed, flex)
         mean = sum(loads) / self.n
         return [room + _LOAD_WEIGHT * max(0.0, load - target) + _SPREAD_COST * (load - mean) ** 2
                 for room, load in zip(self.room(counts), loads)]
@@ -102,32 +137,37 @@ class Packing:
     def changes(self, layout: Layout) -> Iterator[tuple[Move, ...]]:
         """Moves out of the costliest replicas first, each also as swaps with the tenants of the
         target whose shares come closest to evening out the two replicas' traffic."""
-        costs, loads, banned = self.costs(layout.counts, layout.fixed), self.loads(layout.fixed), layout.banned
+        costs = self.costs(layout.counts, layout.fixed, layout.flex)
+        loads, banned = self.loads(layout.fixed, layout.flex), layout.banned
         for a in sorted(range(self.n), key=costs.__getitem__, reverse=True):
             if costs[a] <= 0:
                 return
-            for share, pin in layout.singles[a]:
+            movable = [(share, pin) for share, pin in layout.singles[a]]
+            movable += [(share / len(inside), pin) for share, pin, inside in layout.flex if a in inside]
+            for share, pin in movable:
+                flex = pin in layout.multi
                 for b in range(self.n):
-                    if b == a or (pin, b) in banned:
+                    if b == a or (pin, b) in banned or (flex and any(p == pin and b in m for _, p, m in layout.flex)):
                         continue
-                    yield ((share, pin, a, b),)
+                    whole = next(s for s, p, _ in layout.flex if p == pin) if flex else share
+                    yield ((whole, pin, a, b),)
                     side = layout.singles[b]
                     at = bisect.bisect_left(side, (share - (loads[a] - loads[b]) / 2,))
                     for other, pin2 in side[max(at - 1, 0):at + 1]:
                         if (pin2, a) not in banned:
-                            yield (share, pin, a, b), (other, pin2, b, a)
+                            yield (whole, pin, a, b), (other, pin2, b, a)
 
     def plan(self, layout: Layout) -> tuple[Move, ...]:
         """The change, or pair of changes, that saves the most cost, if it saves enough. The second
         step starts from the first changes with the lowest cost, and from those that spread the
         prompts best whatever their traffic costs (the second change may even it out)."""
         best: tuple[Move, ...] = ()
-        best_cost = sum(self.costs(layout.counts, layout.fixed)) - _MIN_GAIN
+        best_cost = sum(self.costs(layout.counts, layout.fixed, layout.flex)) - _MIN_GAIN
         first: list[tuple[float, float, int, tuple[Move, ...]]] = []
         budget = max(_WORK // self.n, 2 * _BEAM) // 2
         for k, moves in enumerate(itertools.islice(self.changes(layout), budget)):
             counts, fixed = layout.shifted(moves)
-            cost = sum(self.costs(counts, fixed)) + _MOVE_COST * len(moves)
+            cost = sum(self.costs(counts, fixed, layout.moved(moves))) + _MOVE_COST * len(moves)
             first.append((cost, round(sum(self.room(counts)), 9), k, moves))  # rounded: ties stay ties
             if cost < best_cost:
                 best, best_cost = moves, cost
@@ -141,7 +181,7 @@ class Packing:
                 if any(m[1] in done for m in more):
                     continue
                 both = moves + more
-                cost = sum(self.costs(*step.shifted(more))) + _MOVE_COST * len(both)
+                cost = sum(self.costs(*step.shifted(more), step.moved(more))) + _MOVE_COST * len(both)
                 if cost < best_cost:
                     best, best_cost = both, cost
         return best

@@ -83,10 +83,12 @@ class Repair:
             return
         share = self.tenants.fleet_share(now, await store.other_tenants())
         for pin, old, new in self.plan(candidates, now, share):
-            log.info("packing repair: tenant %016x (share %.3f) %s -> %s", pin, share(pin), old[0], new[0])
-            table.came_from[pin] = (old[0], now)
+            left = next(m for m in old if m not in new)
+            log.info("packing repair: tenant %016x (share %.3f) %s -> %s%s", pin, share(pin), left,
+                     next(m for m in new if m not in old), f" (its set is now {','.join(new)})" if len(new) > 1 else "")
+            table.came_from[pin] = (left, now)
             if store.change(pin, old, new) is not None:
-                table.changed_by_store(pin, now)
+                table.changed_by_store(pin, now, restart=len(old) == 1)
 
     def plan(self, candidates: Sequence[Backend], now: float, share=None) -> list[tuple[int, tuple[str], tuple[str]]]:
         """The packing repair's changes (proxy/routing/packing.py) for the current table, with
@@ -103,6 +105,8 @@ class Repair:
         wall = self._wall()
         hold_wall = wall - cfg.move_after_requests / self.load.rate
         changed, proxies = table.changed, self.load.proxies
+        movable: list[tuple[float, int, tuple[int, ...]]] = []
+        sets: dict[int, tuple[str, ...]] = {}
         for pin, (members, stamp) in table.pins.items():
             inside = [where[m] for m in members if m in where]
             if not inside or tenants.idle(pin, now, wall):
@@ -110,12 +114,19 @@ class Repair:
             weight = share_of(pin) * tenants.presence(pin, now)
             for i in inside:
                 counts[i] += 1
+            settled = (stamp < hold_wall and changed.get(pin, -math.inf) < hold
+                       and tenants.rate.value(pin, now) * proxies >= _SETTLED)
             if len(inside) > 1:
-                flex.append((weight, inside))
+                moved = table.came_from.get(pin)
+                if settled and len(inside) == len(members) and (moved is None or moved[1] < hold):
+                    # one of its members may move (its set's cool-down runs on: came_from holds it)
+                    movable.append((weight, pin, tuple(inside)))
+                    sets[pin] = members
+                else:
+                    flex.append((weight, inside))
                 continue
             fixed[inside[0]] += weight
-            if (len(members) == 1 and stamp < hold_wall and changed.get(pin, -math.inf) < hold
-                    and tenants.rate.value(pin, now) * proxies >= _SETTLED):
+            if len(members) == 1 and settled:
                 singles[inside[0]].append((weight, pin))
         for side in singles:
             side.sort()
@@ -130,8 +141,13 @@ class Repair:
         banned = frozenset((pin, where[name]) for pin, (name, at) in table.came_from.items()
                            if at > undo and name in where)
         names = [b.name for b in candidates]
-        moves = packing.plan(Layout(counts, fixed, singles, banned))
+        layout = Layout(counts, fixed, singles, banned, tuple(movable))
+        moves = packing.plan(layout)
         if moves:
             log.debug("packing repair: tenants per replica %s (fair %s), traffic %s", counts,
-                      [round(f, 1) for f in fair], [round(x, 3) for x in packing.loads(fixed)])
-        return [(pin, (names[a],), (names[b],)) for _, pin, a, b in moves]
+                      [round(f, 1) for f in fair], [round(x, 3) for x in packing.loads(fixed, layout.flex)])
+        plan = []
+        for _, pin, a, b in moves:
+            old = sets.get(pin, (names[a],))  # (a member of a multi-replica set is replaced in place)
+            plan.append((pin, old, tuple(names[b] if m == names[a] else m for m in old)))
+        return plan

@@ -37,9 +37,12 @@ class TenantTable:
         self.changed[pin] = now
         self.store.set(pin, members)
 
-    def changed_by_store(self, pin: int, now: float) -> None:
-        """The store took a change (a placement or a set change through it)."""
-        self.changed[pin] = now
+    def changed_by_store(self, pin: int, now: float, restart: bool = True) -> None:
+        """The store took a change (a placement or a set change through it). `restart` False: a
+        member of a multi-replica set was replaced in place, which restarts neither the set's
+        cool-down nor the repair's hold on it (`came_from` holds it)."""
+        if restart:
+            self.changed[pin] = now
         self.epoch += 1
 
     def refresh(self, pin: int, members: tuple[str, ...], stamp: float, wall: float, now: float) -> None:

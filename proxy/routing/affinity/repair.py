@@ -132,11 +132,16 @@ class Repair:
             side.sort()
         # each replica's fair part of the prompts (by cache size), and how much a deviation from it
         # matters: fully once its prompts would fill `cache_fill` of the cache, less when they fit easily
+        speed = shares(candidates, cfg.speed_balance)
         sizes = [b.cache_tokens or 0 for b in candidates]
-        whole = sum(sizes) if all(sizes) else 0
-        fair = [sum(counts) * (size / whole if whole else 1.0 / n) for size in sizes]
+        if not all(sizes):
+            sizes = [1.0] * n
+        if speed:  # a replica taking less traffic holds fewer conversations: more room for prompts
+            sizes = [size * (1.0 - (1.0 - cfg.cache_fill) * part) for size, part in zip(sizes, speed)]
+        whole = sum(sizes)
+        fair = [sum(counts) * size / whole for size in sizes]
         pressure = [min(1.0, fair[i] / max(table.capacity(b, fair[i]), 1e-9)) for i, b in enumerate(candidates)]
-        packing = Packing(fair, pressure, (1.0 + cfg.epsilon / 2) / n, flex, shares(candidates, cfg.speed_balance))
+        packing = Packing(fair, pressure, (1.0 + cfg.epsilon / 2) / n, flex, speed)
         undo = now - cfg.cool_down_requests
         banned = frozenset((pin, where[name]) for pin, (name, at) in table.came_from.items()
                            if at > undo and name in where)

@@ -393,7 +393,9 @@ def test_the_repair_replaces_a_member_of_a_multi_replica_set_in_place() -> None:
             policy.tenant_rate.add(pin, now, shares[pin] * 2000)
         policy.tenant_rate.add(None, now, 2000.0)
         policy.table.changed[1] = now - 5000.0
-        assert policy.repair.plan(bs, now) == [(1, ("gpu-1", "gpu-3"), ("gpu-0", "gpu-3"))]
+        plan = policy.repair.plan(bs, now)
+        assert (1, ("gpu-1", "gpu-3"), ("gpu-0", "gpu-3")) in plan
+        assert all(len(old) == 1 for pin, old, _ in plan if pin != 1)
         asyncio.run(policy.repair.run(bs, now + policy.config.rebalance_every_requests))
         assert policy.pins[1][0] == ("gpu-0", "gpu-3")
         assert policy.table.came_from[1][0] == "gpu-1" and policy.table.changed[1] == now - 5000.0

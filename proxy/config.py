@@ -313,8 +313,9 @@ class AffinityConfig(Strict):
         "for this many requests"
     )
     cool_down_requests: float = Field(
-        1000.0, gt=0, description="a tenant's replica set shrinks only this many requests after it last changed; for "
-        "as long, the packing repair does not move a tenant back where it came from"
+        1000.0, gt=0, description="a tenant's replica set shrinks only this many requests after it last changed (a "
+        "member the packing repair replaced does not count); for as long, the packing repair does not move a tenant "
+        "back where it came from"
     )
     forget_requests: float = Field(
         2000.0, gt=0, description="a tenant with no request for this many requests (sooner for a busy one: 6 of its "

@@ -381,18 +381,20 @@ def test_the_repair_replaces_a_member_of_a_multi_replica_set_in_place() -> None:
     bs = backends(4)
     for b in bs:
         b.cache_tokens = 100_000
+    policy = PrefixAffinity(AffinityConfig(move_after_requests=0, grow_min_requests=0))
+    now, wall = policy.clock, time.time()
+    sets = {1: ("gpu-1", "gpu-3"), 2: ("gpu-2",), 3: ("gpu-1",), 4: ("gpu-0",)}
+    shares = {1: 0.4, 2: 0.279, 3: 0.304, 4: 0.017}
+    for pin, members in sets.items():
+        policy.pins[pin] = (members, wall - 1)
+        policy.tenant_rate.add(pin, now, shares[pin] * 2000)
+    policy.tenant_rate.add(None, now, 2000.0)
+    policy.table.changed[1] = now - 5000.0
+    # on replicas alike the members are interchangeable: a multi-replica set is left alone
+    assert all(len(old) == 1 for _, old, _ in policy.repair.plan(bs, now))
     bs[3].load_factor = 2.0
     Backend.speed_version += 1
     try:
-        policy = PrefixAffinity(AffinityConfig(move_after_requests=0, grow_min_requests=0))
-        now, wall = policy.clock, time.time()
-        sets = {1: ("gpu-1", "gpu-3"), 2: ("gpu-2",), 3: ("gpu-1",), 4: ("gpu-0",)}
-        shares = {1: 0.4, 2: 0.279, 3: 0.304, 4: 0.017}
-        for pin, members in sets.items():
-            policy.pins[pin] = (members, wall - 1)
-            policy.tenant_rate.add(pin, now, shares[pin] * 2000)
-        policy.tenant_rate.add(None, now, 2000.0)
-        policy.table.changed[1] = now - 5000.0
         plan = policy.repair.plan(bs, now)
         assert (1, ("gpu-1", "gpu-3"), ("gpu-0", "gpu-3")) in plan
         assert all(len(old) == 1 for pin, old, _ in plan if pin != 1)
@@ -402,6 +404,19 @@ def test_the_repair_replaces_a_member_of_a_multi_replica_set_in_place() -> None:
     finally:
         bs[3].load_factor = 1.0
         Backend.speed_version += 1
+
+
+def test_a_member_replaced_by_the_repair_does_not_restart_the_cool_down() -> None:
+    """The set's shrink waits cool_down_requests after it grew, not after this proxy's repair
+    replaced one of its members; a set that changed otherwise (another proxy) restarts it."""
+    policy = PrefixAffinity(AffinityConfig())
+    table, shrink, pin = policy.table, policy.placement._maybe_shrink, 7
+    table.changed[pin], table.shrink_seen[pin] = 0.0, ("gpu-0", "gpu-3")
+    table.came_from[pin] = ("gpu-3", 10.0)  # this proxy's repair: gpu-3 -> gpu-1
+    shrink(pin, ("gpu-0", "gpu-1"), 4, 500.0)
+    assert table.changed[pin] == 0.0 and table.shrink_seen[pin] == ("gpu-0", "gpu-1")
+    shrink(pin, ("gpu-0", "gpu-2"), 4, 600.0)  # not ours: gpu-3 is not what left
+    assert table.changed[pin] == 600.0 and table.shrink_seen[pin] == ("gpu-0", "gpu-2")
 
 
 def test_packing_evens_out_traffic_below_the_target_too() -> None:

@@ -13,9 +13,10 @@ than by small load differences. So a layout costs, per replica:
            just past it for good (the fleet's max/mean over a run ended at 1.11-1.12 on the weak
            shape, for 1.03-1.07 with this term in replays)
 
-A change is a move of a single-replica tenant or a swap of two. Getting out of a crowded corner
-often needs two changes where the first alone costs more (move a heavy tenant out, then a light
-one in), so the search looks two changes deep, keeping the best few first changes (a beam).
+A change is a move of a single-replica tenant or a swap of two (or a member replaced, below).
+Getting out of a crowded corner often needs two changes where the first alone costs more (move a
+heavy tenant out, then a light one in), so the search looks two changes deep, keeping the best
+few first changes (a beam).
 A tenant on several replicas absorbs imbalance (new conversations fill its least-loaded member:
 its traffic is water-filled into its members, in parts of their speed). When the caller marks
 it movable (`Layout.flex`), one of its members may be replaced by another replica, alone or in a

@@ -19,7 +19,8 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    at once agree. A smaller tenant instead stays up to the looser (continuation) bound, else
    spills that one request and brings the packing repair forward (step 5 re-homes it); before
    warm-up only a real queue makes it spill. When the tenant cools (its traffic would fit in one
-   replica less, `cool_down_requests` after the set last changed) the last member is dropped.
+   replica less, `cool_down_requests` after the set last grew or lost a member; a member the
+   packing repair replaced restarts nothing) the last member is dropped.
 4. A tenant never seen is **placed** on the replica with the least recent traffic and cache
    pressure (active tenants placed there), ties broken by rendezvous hashing. With Redis the placement is
    written with set-if-absent (the first proxy wins, the others adopt its choice) into a hash

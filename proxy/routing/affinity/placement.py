@@ -212,17 +212,21 @@ class Placement:
     def _maybe_shrink(self, pin: int, members: tuple[str, ...], n: int, now: float) -> None:
         """Drop the last member once the tenant's traffic fits in one replica less (with
         hysteresis below the growth threshold), and its set has not changed for cool_down_requests
-        as this proxy saw it: a set of another size than the one seen last (another proxy grew it)
-        counts as changed now; one member replaced by the packing repair does not. (Not by the
+        as this proxy saw it: a set other than the one seen last (another proxy grew it) counts as
+        changed now; one member replaced by this proxy's packing repair does not. (Not by the
         table's wall-time stamp: wall time over the current request rate is no request count when
         the rate varies, and a refresh of the same set rewrites the stamp.)"""
         table = self.table
         changed, seen = table.changed.get(pin), table.shrink_seen.get(pin)
-        if changed is None or seen is None or len(seen) != len(members):
-            if changed is None or seen is not None:
+        if changed is None or seen != members:
+            left = table.came_from.get(pin, ("",))[0]  # (this proxy's repair replaced a member in place)
+            replaced = (changed is not None and seen is not None and len(seen) == len(members)
+                        and left in seen and left not in members)
+            if not replaced and (changed is None or seen is not None):
                 table.changed[pin] = now
             table.shrink_seen[pin] = members
-            return
+            if not replaced:
+                return
         if now - changed < self.config.cool_down_requests:
             return
         tenants = self.tenants

@@ -406,6 +406,38 @@ def test_the_repair_replaces_a_member_of_a_multi_replica_set_in_place() -> None:
         Backend.speed_version += 1
 
 
+def test_the_repair_holds_a_set_it_just_changed_and_one_missing_a_replica() -> None:
+    """A multi-replica set is offered to the planner only whole and settled: not while one of its
+    replicas is absent (it is re-homed on its next request instead), nor within move_after_requests
+    of the repair's last change to it (noisy estimates would make it flip)."""
+    bs = backends(4)
+    for b in bs:
+        b.cache_tokens = 100_000
+    policy = PrefixAffinity(AffinityConfig(grow_min_requests=0))
+    now, wall = policy.clock, 1.0  # (placed long ago, in wall time too)
+    sets = {1: ("gpu-1", "gpu-3"), 2: ("gpu-2",), 3: ("gpu-1",), 4: ("gpu-0",)}
+    shares = {1: 0.4, 2: 0.279, 3: 0.304, 4: 0.017}
+    for pin, members in sets.items():
+        policy.pins[pin] = (members, wall)
+        policy.tenants.note(pin, now, False)  # (sending now: not idle)
+        policy.tenant_rate.add(pin, now, shares[pin] * 2000)
+    policy.tenant_rate.add(None, now, 2000.0)
+    for pin in sets:
+        policy.table.changed[pin] = now - 5000.0
+    bs[3].load_factor = 2.0
+    Backend.speed_version += 1
+    try:
+        assert any(pin == 1 for pin, _, _ in policy.repair.plan(bs, now))  # settled and whole: it may move
+        policy.table.came_from[1] = ("gpu-0", now - 10.0)  # the repair changed it 10 requests ago
+        assert all(pin != 1 for pin, _, _ in policy.repair.plan(bs, now))
+        policy.table.came_from.clear()
+        policy.pins[1] = (("gpu-1", "gpu-3", "gpu-9"), wall)  # a member that left the fleet
+        assert all(pin != 1 for pin, _, _ in policy.repair.plan(bs, now))
+    finally:
+        bs[3].load_factor = 1.0
+        Backend.speed_version += 1
+
+
 def test_a_member_replaced_by_the_repair_does_not_restart_the_cool_down() -> None:
     """The set's shrink waits cool_down_requests after it grew, not after this proxy's repair
     replaced one of its members; a set that changed otherwise (another proxy) restarts it."""

@@ -143,14 +143,13 @@ class Packing:
         for a in sorted(range(self.n), key=costs.__getitem__, reverse=True):
             if costs[a] <= 0:
                 return
-            movable = [(share, pin) for share, pin in layout.singles[a]]
-            movable += [(share / len(inside), pin) for share, pin, inside in layout.flex if a in inside]
-            for share, pin in movable:
-                flex = pin in layout.multi
+            # (traffic that leaves a, pin, the tenant's whole share, replicas it must not go to)
+            movable = [(share, pin, share, ()) for share, pin in layout.singles[a]]
+            movable += [(share / len(inside), pin, share, inside) for share, pin, inside in layout.flex if a in inside]
+            for share, pin, whole, members in movable:
                 for b in range(self.n):
-                    if b == a or (pin, b) in banned or (flex and any(p == pin and b in m for _, p, m in layout.flex)):
+                    if b == a or b in members or (pin, b) in banned:
                         continue
-                    whole = next(s for s, p, _ in layout.flex if p == pin) if flex else share
                     yield ((whole, pin, a, b),)
                     side = layout.singles[b]
                     at = bisect.bisect_left(side, (share - (loads[a] - loads[b]) / 2,))

@@ -37,10 +37,10 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    and warm-up placements are blind to popularity. So every `rebalance_every_requests` a **packing
    repair** (proxy/routing/packing.py, run in the background: repair.py) makes up to two changes, each a move
    of a single-replica tenant, a swap of two, or (while some replica runs slower) one member of a
-   multi-replica set replaced in place (alone or in a swap), that spread the prompts evenly over the caches without pushing
-   traffic past (1 + eps/2) x mean. With Redis one proxy at a time plans (a
-   lease it renews), so a single estimate of the tenants' shares decides, and it writes by
-   compare-and-set on the shared table.
+   multi-replica set replaced in place (alone or in a swap), that spread the prompts evenly over
+   the caches without pushing traffic past (1 + eps/2) x mean. With Redis one proxy at a time
+   plans (a lease it renews), so a single estimate of the tenants' shares decides, and it writes
+   by compare-and-set on the shared table.
 
 The bound (consistent hashing with bounded loads, Mirrokni et al. 2017) applies to a
 **smoothed** load: the exponentially decayed count of requests routed to each replica summed over

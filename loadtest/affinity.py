@@ -197,8 +197,8 @@ def run_cell(shape: str, workload: Workload, sizing: dict, policy: str, routers:
         "reply_mismatches": load.reply_mismatches, "routes": load.routes,
         "evictions": sum(d["evictions"] for d in delta), "bound_evictions": bound["evictions"],
         "sent": len(load.sent_order), "quarter_shares": quarters,
-        "trace": [(i, *load.served.get(i, ("", "")), *load.cached.get(i, (0, 0)), *bound["per_request"][k])
-                  for k, i in enumerate(load.sent_order)],
+        "trace": [(i, *load.served.get(i, ("", "")), *load.cached.get(i, (0, 0)), *bound["per_request"][k],
+                   load.ttft_of.get(i)) for k, i in enumerate(load.sent_order)],
     }
 
 

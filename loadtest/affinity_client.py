@@ -30,6 +30,7 @@ class LoadResult:
     routes: dict[str, int] = field(default_factory=dict)  # x-vllm-proxy-route reason -> count
     cached: dict[int, tuple[int, int]] = field(default_factory=dict)  # turn -> (cached, prompt) tokens, from usage
     served: dict[int, tuple[str, str]] = field(default_factory=dict)  # turn -> (backend, route reason) headers
+    ttft_of: dict[int, float] = field(default_factory=dict)  # turn -> its ttft (for the trace)
     wall_s: float = 0.0
 
     def fail(self, message: str) -> None:
@@ -82,6 +83,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, expected: 
         out.fail("stream ended without [DONE] or without content")
         return
     out.ttft.append(ttft)
+    out.ttft_of[index] = ttft
     if "".join(pieces) != expected:
         out.reply_mismatches += 1
 

@@ -13,6 +13,8 @@ Redis (a private redis-server, loadtest/private_redis.py), metrics on, the acces
 default (on). Beside it: `proxy-affinity` (prefix_affinity, no Redis), `proxy-lab`
 (least_loaded, no Redis) and `proxy-slow-redis` (production, with Redis behind a relay adding
 `--redis-delay-ms` each way, loadtest/delay_relay.py: what a slow Redis costs a request).
+`floor` (loadtest/floor.py) is no proxy but the least a Python forwarder does per request (bytes
+in, bytes out over pooled keep-alive connections): the reference for the proxy's own layers.
 
     python -m loadtest.overhead                        # all contenders found, 3 rounds x 10 s
     python -m loadtest.overhead --duration 5 --only direct,proxy,vllm-router
@@ -45,7 +47,7 @@ HOST = "127.0.0.1"
 # proxy variants: (policy, Redis: None | "direct" | "slow")
 PROXIES = {"proxy": ("prefix_affinity", "direct"), "proxy-affinity": ("prefix_affinity", None),
            "proxy-lab": ("least_loaded", None), "proxy-slow-redis": ("prefix_affinity", "slow")}
-CONTENDERS = ["direct", "passthrough", *PROXIES, "vllm-router", "sglang-router"]
+CONTENDERS = ["direct", "floor", "passthrough", *PROXIES, "vllm-router", "sglang-router"]
 # name, streaming, connections
 SCENARIOS = [("plain_c1", False, 1), ("plain_c32", False, 32), ("stream_c16", True, 16)]
 # fast: a raw-protocol fake (~150 k RPS, isolates the forwarder's own cost); asgi: a uvicorn fake
@@ -140,8 +142,8 @@ class Bench:
         if name == "direct":
             c.port = int(backend.rsplit(":", 1)[1])
             return c
-        if name == "passthrough":
-            cmd = [sys.executable, "-m", "loadtest.passthrough", "--port", str(port), "--upstream", backend]
+        if name in ("passthrough", "floor"):
+            cmd = [sys.executable, "-m", f"loadtest.{name}", "--port", str(port), "--upstream", backend]
             ready = "/health"
         elif name.partition("@")[0] in PROXIES:
             variant, _, ref = name.partition("@")

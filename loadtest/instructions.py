@@ -67,14 +67,17 @@ def measure(ref: str, args: argparse.Namespace, tmp: Path, backends: list[str], 
             # periodic work (polls, the Redis sync) costs per second, not per request: under
             # callgrind's slow clock it would land in the window in proportion to the slowdown
             "discovery: {interval_s: 3600}\n")
+    root = tree(ref, tmp / "trees")
     if redis_url:
-        text += f'redis: {{url: "{redis_url}", sync_interval_s: 3600}}\n'
+        # (the busy cadence, where the tree has it: every 20 ms it would be ~130 k instructions a request)
+        busy = ", busy_sync_interval_s: 3600" if "busy_sync_interval_s" in (root / "proxy/config.py").read_text() else ""
+        text += f'redis: {{url: "{redis_url}", sync_interval_s: 3600{busy}}}\n'
     cfg.write_text(text)
     out = tmp / f"callgrind.{ref.replace('/', '_')}"
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p",
            sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--port", str(port)]
     # a fixed string hash seed: dict layouts (so probe counts) repeat from run to run
-    proc = spawn(f"proxy-{ref.replace('/', '_')}", cmd, tmp, env={"PYTHONHASHSEED": "0"}, cwd=tree(ref, tmp / "trees"))
+    proc = spawn(f"proxy-{ref.replace('/', '_')}", cmd, tmp, env={"PYTHONHASHSEED": "0"}, cwd=root)
     try:
         wait_ready(proc, f"http://{HOST}:{port}/ready", timeout=600)
         send(port, args.warmup, args.stream, args.system)

@@ -111,7 +111,6 @@ class Repair:
         hold_wall = wall - cfg.move_after_requests / self.load.rate
         changed, proxies = table.changed, self.load.proxies
         movable: list[tuple[float, int, tuple[int, ...]]] = []
-        sets: dict[int, tuple[str, ...]] = {}
         speed = shares(candidates, cfg.speed_balance)
         for pin, (members, stamp) in table.pins.items():
             inside = [where[m] for m in members if m in where]
@@ -127,7 +126,6 @@ class Repair:
                 if speed and settled and len(inside) == len(members) and (moved is None or moved[1] < hold):
                     # one of its members may move (its set's cool-down runs on: came_from holds it)
                     movable.append((weight, pin, tuple(inside)))
-                    sets[pin] = members
                 else:
                     flex.append((weight, inside))
                 continue
@@ -159,6 +157,6 @@ class Repair:
                       [round(f, 1) for f in fair], [round(x, 3) for x in packing.loads(fixed, layout.flex)])
         plan = []
         for _, pin, a, b in moves:
-            old = sets.get(pin, (names[a],))  # (a member of a multi-replica set is replaced in place)
+            old = table.pins[pin][0]  # (a moved tenant's one replica, or the whole set: a member is replaced in place)
             plan.append((pin, old, tuple(names[b] if m == names[a] else m for m in old)))
         return plan

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -105,12 +106,17 @@ async def serve(port: int, upstream: str) -> None:
     await server.serve_forever()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run(serve_on: Callable[[int, str], Awaitable[None]], doc: str | None) -> None:
+    """The command line of a reference contender: `--port` to listen on, `--upstream` to forward to."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--upstream", required=True, help="base URL of the one upstream, e.g. http://127.0.0.1:8100")
     args = ap.parse_args()
-    uvloop.run(serve(args.port, args.upstream))
+    uvloop.run(serve_on(args.port, args.upstream))
+
+
+def main() -> None:
+    run(serve, __doc__)
 
 
 if __name__ == "__main__":

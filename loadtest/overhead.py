@@ -15,6 +15,9 @@ default (on). Beside it: `proxy-affinity` (prefix_affinity, no Redis), `proxy-la
 `--redis-delay-ms` each way, loadtest/delay_relay.py: what a slow Redis costs a request).
 `floor` (loadtest/floor.py) is no proxy but the least a Python forwarder does per request (bytes
 in, bytes out over pooled keep-alive connections): the reference for the proxy's own layers.
+`floor_routed` (loadtest/floor_routed.py) is that floor plus the proxy's parse, pick, metrics and
+access log, all in protocol callbacks: what a callback-driven request cycle could reach (plain
+columns only; it buffers streams).
 
     python -m loadtest.overhead                        # all contenders found, 3 rounds x 10 s
     python -m loadtest.overhead --duration 5 --only direct,proxy,vllm-router
@@ -47,7 +50,7 @@ HOST = "127.0.0.1"
 # proxy variants: (policy, Redis: None | "direct" | "slow")
 PROXIES = {"proxy": ("prefix_affinity", "direct"), "proxy-affinity": ("prefix_affinity", None),
            "proxy-lab": ("least_loaded", None), "proxy-slow-redis": ("prefix_affinity", "slow")}
-CONTENDERS = ["direct", "floor", "passthrough", *PROXIES, "vllm-router", "sglang-router"]
+CONTENDERS = ["direct", "floor", "floor_routed", "passthrough", *PROXIES, "vllm-router", "sglang-router"]
 # name, streaming, connections
 SCENARIOS = [("plain_c1", False, 1), ("plain_c32", False, 32), ("stream_c16", True, 16)]
 # fast: a raw-protocol fake (~150 k RPS, isolates the forwarder's own cost); asgi: a uvicorn fake
@@ -142,7 +145,7 @@ class Bench:
         if name == "direct":
             c.port = int(backend.rsplit(":", 1)[1])
             return c
-        if name in ("passthrough", "floor"):
+        if name in ("passthrough", "floor", "floor_routed"):
             cmd = [sys.executable, "-m", f"loadtest.{name}", "--port", str(port), "--upstream", backend]
             ready = "/health"
         elif name.partition("@")[0] in PROXIES:

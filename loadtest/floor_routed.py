@@ -38,7 +38,7 @@ from proxy.routing.catalog import Route
 
 MODEL = "bench-model"
 _PATH = CHAT.encode()
-_PREFIX = os.urandom(6).hex()
+_PREFIX = os.urandom(6).hex().encode()  # request ids as the proxy makes them (a counter after a per-process prefix)
 _ids = itertools.count()
 _TIMEOUT_S = 30.0
 
@@ -107,7 +107,7 @@ class Client(asyncio.Protocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        self.headers.append((name.lower(), value))  # (unread: kept because the proxy pays for collecting them)
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -120,7 +120,7 @@ class Client(asyncio.Protocol):
             return
         app = self.app
         self.started = perf_counter()
-        self.rid = b"%s%012x" % (_PREFIX.encode(), next(_ids))
+        self.rid = b"%s%012x" % (_PREFIX, next(_ids))
         parsed = parse_request(CHAT, body)
         route = app.routes[parsed.model]
         pick = app.policy.pick(route.backends, parsed, route)

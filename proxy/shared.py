@@ -48,6 +48,8 @@ LOAD_KEY = "vp:load"
 TENANTS_KEY = "vp:tenants"  # field: proxy id -> its busiest tenants' decayed request counts (JSON)
 _TENANTS_EVERY_S = 1.0  # how often a proxy publishes them
 _TENANTS_TOP = 2048  # tenants per proxy published (the planner moves the ones that carry traffic)
+GUARD_KEY = "vp:guard"  # field: proxy id|route -> its balance window: replicas, decisions, counts (JSON)
+_GUARD_FRESH_S = 1.0  # a window published longer ago than this is not counted (that proxy went idle)
 PINS_KEY = "vp:pins"  # field: pin key (hex) -> "replica,replica,...|unix time of the last write"
 LOG_KEY = "vp:log"  # stream of changes: p = proxy id, i = index entries, t = placements changed
 _LOG_MAXLEN = 10000  # entries kept (at most one per proxy and flush, up to 50 a second): the recent past, bounded
@@ -194,6 +196,13 @@ class SharedState:
         # (tenant -> decayed requests routed here, all requests) at a time; set by the policy
         self.local_tenants: Callable[[float], tuple[dict[int, float], float] | None] | None = None
         self._tenants_at = 0.0
+        # the balance guard's windows (route -> (replicas, decisions, counts in replica order)); set
+        # by the policy. The others' windows, summed per (route, replicas): (decisions, name -> count)
+        self.local_guard: Callable[[], dict[str, tuple[tuple[str, ...], int, list[int], list]]] | None = None
+        # (route, replicas, [(pin, replica, wall)]): the other proxies' recent overflows
+        self.adopt_overflows: Callable[[str, tuple[str, ...], list[tuple[int, str, float]]], None] | None = None
+        self.remote_guard: dict[tuple[str, tuple[str, ...]], tuple[int, dict[str, int]]] = {}
+        self._guard_fields: set[str] = set()
         # mirror of the placement table: pin -> (members, stamp); `pins_changed` bumps on bulk changes
         self.pins: dict[int, tuple[tuple[str, ...], float]] = {}
         self.pins_changed = 0
@@ -352,6 +361,8 @@ class SharedState:
         try:  # last writes and our entries out of the load view, side by side and bounded
             last = [self.client.hdel(LOAD_KEY, *[f"{self.proxy_id}|{b}" for b in self.local_load()] or ["-"]),
                     self.client.hdel(TENANTS_KEY, self.proxy_id)]
+            if self._guard_fields:
+                last.append(self.client.hdel(GUARD_KEY, *self._guard_fields))
             if self.up and (self._ops or self._pending or self._warm):
                 last.append(self.flush())
             await asyncio.wait_for(asyncio.gather(*last, return_exceptions=True), self.io_timeout)
@@ -555,8 +566,9 @@ class SharedState:
         self._cursor, self._cursor_key = entry_id, stream_id(entry_id)
 
     async def _sync(self) -> None:
-        """Publish our load (and tenant counts), read everyone else's."""
-        self.busy = False
+        """Publish our load (and tenant counts, and while routing the balance windows), read
+        everyone else's."""
+        busy, self.busy = self.busy, False
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
         rates = self.local_rates(now) if self.local_rates is not None else {}
@@ -570,10 +582,54 @@ class SharedState:
                 top = heapq.nlargest(_TENANTS_TOP, counts[0].items(), key=lambda kv: kv[1])
                 payload = {"at": now, "total": counts[1], "rates": {f"{p:016x}": round(r, 3) for p, r in top}}
                 pipe.hset(TENANTS_KEY, self.proxy_id, orjson.dumps(payload))
+        guard = self.local_guard is not None and busy
+        if guard:
+            windows = {f"{self.proxy_id}|{route}": orjson.dumps({
+                "at": now, "names": names, "filled": filled, "counts": counts,
+                "overflow": [(f"{pin:016x}", name, at) for pin, name, at in overflow]})
+                for route, (names, filled, counts, overflow) in self.local_guard().items()}
+            if windows:
+                pipe.hset(GUARD_KEY, mapping=windows)
+                self._guard_fields.update(windows)
+        if self.local_guard is not None:
+            pipe.hgetall(GUARD_KEY)
         pipe.hgetall(LOAD_KEY)
         results = await asyncio.wait_for(pipe.execute(), self.io_timeout)
         self.remote_load, self.remote_rate = self._others(results[-1], time.time())
         self.remote_rate_at = now
+        if self.local_guard is not None:
+            self.remote_guard = self._other_windows(results[-2], time.time())
+
+    def _other_windows(self, table: dict[str, str], now: float) -> dict[tuple[str, tuple[str, ...]], tuple[int, dict[str, int]]]:
+        """The other proxies' fresh balance windows, summed per (route, replicas): a proxy that
+        sees another fleet (a change not yet seen by all) or went idle is left out."""
+        out: dict[tuple[str, tuple[str, ...]], tuple[int, dict[str, int]]] = {}
+        stale = []
+        for field, value in table.items():
+            proxy, _, route = field.partition("|")
+            try:
+                entry = orjson.loads(value)
+                age = now - float(entry["at"])
+                names, filled, counts = tuple(entry["names"]), int(entry["filled"]), entry["counts"]
+                if len(counts) != len(names):
+                    raise ValueError(field)
+                overflow = [(int(pin, 16), str(name), float(at)) for pin, name, at in entry.get("overflow", ())]
+            except (ValueError, KeyError, TypeError, orjson.JSONDecodeError):
+                stale.append(field)
+                continue
+            if age > 5.0:
+                stale.append(field)
+            elif proxy != self.proxy_id and age <= _GUARD_FRESH_S:
+                key = (route, names)
+                total, by = out.get(key, (0, {}))
+                for name, n in zip(names, counts):
+                    by[name] = by.get(name, 0) + int(n)
+                out[key] = (total + filled, by)
+                if overflow and self.adopt_overflows is not None:
+                    self.adopt_overflows(route, names, overflow)
+        if stale:
+            self._tasks.spawn(self._drop(stale, GUARD_KEY), "drop stale balance windows")
+        return out
 
     async def _expire(self) -> None:
         """Drop placements nobody refreshed for the TTL (every proxy agrees on the stamps), here
@@ -648,6 +704,7 @@ class SharedState:
             self._reading.clear()
             self.remote_load = {}
             self.remote_rate = {}
+            self.remote_guard = {}
             self._pending = {}
             self._ops = {}
             self._warm = []

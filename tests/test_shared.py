@@ -18,6 +18,7 @@ from proxy.config import AffinityConfig, BackendConfig
 from proxy.parse import CHAT, parse_request
 from proxy.prefix import prefix_key
 from proxy.routing.affinity import PrefixAffinity
+from proxy.routing.affinity.balance import Balance
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
 from proxy.shared import SharedState
@@ -184,6 +185,52 @@ def test_a_busy_proxy_shares_its_load_at_the_busy_interval(redis_url: str) -> No
             await until(lambda: b_sees(7), timeout=30.0)
             a.remember([21, 22], "gpu-3")  # prefix entries go out at the busy interval too
             await until(lambda: b.longest([21, 22]) == (2, "gpu-3"), timeout=30.0)
+        finally:
+            for s in (a, b):
+                await s.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_balance_guard_counts_every_proxys_decisions_and_shares_overflows(redis_url: str) -> None:
+    """Each proxy's balance guard caps a replica by the whole fleet's window (its own decisions
+    plus the others' as last published), not by its own third of the traffic, whose chance
+    excursions would cap on noise; and a tenant one proxy overflowed goes to the same replica
+    from every proxy (its prompt is cached there)."""
+    async def scenario() -> None:
+        bs = fleet(4)
+        route = "m"
+        # a never caps (a huge epsilon) and sends 100 requests to gpu-0; b caps at the default
+        ga, gb = Balance(200, 10.0, 0.1), Balance(200, 0.03, 0.1)
+        a = SharedState(redis_url, local_load=dict, sync_interval_s=60.0, busy_sync_interval_s=0.01)
+        b = SharedState(redis_url, local_load=dict, sync_interval_s=60.0, busy_sync_interval_s=0.01)
+        ga.shared, gb.shared = a, b
+        for s, g in ((a, ga), (b, gb)):
+            s.local_guard, s.adopt_overflows = g.snapshot, g.adopt
+            s.start()
+        try:
+            await until(lambda: a.up and b.up)
+            assert gb.check(route, bs, bs[3], 1, (), False, 2.0) == (bs[3], False)  # b's own window
+            for i in range(100):
+                assert ga.check(route, bs, bs[0], 100 + i, ("gpu-0",), False, 2.0) == (bs[0], False)
+            # alone, b's first request for gpu-0 is far under its cap (its part of the window holds one)
+            alone = Balance(200, 0.03, 0.1)
+            alone.check(route, bs, bs[3], 1, (), False, 2.0)
+            assert alone.check(route, bs, bs[0], 7, ("gpu-0",), False, 2.0) == (bs[0], False)
+
+            def b_sees_a() -> bool:
+                a.busy = b.busy = True  # both route requests (the policy sets it on every decision)
+                return b.remote_guard.get((route, tuple(x.name for x in bs)), (0,))[0] == 100
+
+            await until(b_sees_a, timeout=30.0)
+            chosen, capped = gb.check(route, bs, bs[0], 7, ("gpu-0",), False, 2.0)
+            assert capped and chosen.name != "gpu-0"
+
+            def a_adopted() -> bool:
+                a.busy = b.busy = True
+                return ga._routes[route].overflow.get(7) == chosen.name
+
+            await until(a_adopted, timeout=30.0)
         finally:
             for s in (a, b):
                 await s.stop()

@@ -14,25 +14,40 @@ is), else to the replica with the fewest. A tenant capped twice whose traffic is
 of its replicas grows by the overflow replica (`settled`, placement.py `overflowed`).
 A continuation is allowed `continuation_slack` more (its own turns are cached where it goes).
 
+With several proxies the window is the fleet's: this proxy's decisions as they happen plus the
+others' windows as their load sync last published them (Redis, every `busy_sync_interval_s`
+while routing; proxy/shared.py), for the same replicas. Each proxy capping its own third with a
+third of the slack capped on the chance excursions of its sample (a third as many requests),
+which sent 2-3x the 1-proxy count of overflows to replicas without the prompt. The overflows of
+the last FRESH_S go out with the window, so a tenant capped anywhere overflows to the same
+replica everywhere. Without the others' windows (Redis down, a proxy that sees another fleet)
+each proxy holds its own part to the cap with its part of the slack, as before.
+
 The window starts empty when the route's replicas change (the mean changes with them) and is
 looser while it fills, so a fresh start is not forced round-robin before anything is known.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from proxy.routing.backends import Backend
 from proxy.routing import speed
 
+if TYPE_CHECKING:
+    from proxy.shared import SharedState
+
 _SLACK = 10.0  # requests above (1 + eps) x mean: a cap at small counts is not a round robin
+FRESH_S = 1.0  # overflows published this long (the other proxies read them within a sync or two)
 _FILLING = 0.3  # extra relative headroom while the window fills (falls linearly to 0 when full)
 
 
 class Window:
     """One route's recent decisions: replica name -> how many of the last `size`."""
 
-    __slots__ = ("names", "fleet", "recent", "counts", "overflow", "filling", "size", "again", "speeds", "shares")
+    __slots__ = ("names", "fleet", "recent", "counts", "overflow", "fresh", "filling", "size", "again", "speeds",
+                 "shares")
 
     def __init__(self, names: tuple[str, ...], before: "Window | None" = None) -> None:
         self.names = names
@@ -43,6 +58,7 @@ class Window:
         # route's replicas the placement already knows its tenants
         self.filling = _FILLING if before is None else 0.0
         self.overflow: dict[int, str] = {}  # tenant pin -> replica it last overflowed to
+        self.fresh: dict[int, tuple[str, float]] = {}  # this proxy's overflows of late: pin -> (replica, wall)
         self.size = 0  # this proxy's part of the window, as of the last decision
         self.again: int | None = None  # the tenant of the last overflow, if it had overflowed before
         self.speeds = -1  # the Backend.speed_version `shares` was computed for
@@ -52,8 +68,11 @@ class Window:
 class Balance:
     """The guard, with one window per route (each route has its own replicas)."""
 
-    def __init__(self, per_replica: float, epsilon: float, continuation_slack: float, speed_balance: float = 0.0) -> None:
+    def __init__(self, per_replica: float, epsilon: float, continuation_slack: float, speed_balance: float = 0.0,
+                 shared: "SharedState | None" = None, wall: Callable[[], float] = time.time) -> None:
         self.per_replica = per_replica
+        self.shared = shared  # the other proxies' windows (`remote_guard`), published by its sync
+        self.wall = wall
         self.speed_balance = speed_balance
         self.epsilon = epsilon
         self.continuation_slack = continuation_slack
@@ -78,9 +97,17 @@ class Balance:
         size = n if n > size else size  # this proxy's part of the window
         filled = len(window.recent)
         window.size = size
-        # each proxy holds its own part to the cap: their slacks add up to one
-        slack = _SLACK / proxies
-        fair = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * filled / n
+        shared = self.shared
+        others = shared.remote_guard.get((route, window.names)) if shared is not None and shared.remote_guard else None
+        if others is None:
+            # each proxy holds its own part to the cap: their slacks add up to one
+            slack = _SLACK / proxies
+            fair = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * filled / n
+        else:  # the whole fleet's window: this proxy's decisions now, the others' as last published
+            slack = _SLACK
+            fair = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * (filled + others[0]) / n
+            remote = others[1]
+            counts = {name: c + remote.get(name, 0) for name, c in counts.items()}
         limit = fair + slack
         shares = None
         if Backend.speed_version and self.speed_balance:
@@ -89,14 +116,42 @@ class Balance:
                 limit = fair * shares[chosen.name] + slack
         capped = counts[chosen.name] + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0)
         if capped:
-            chosen = self._instead(window, candidates, pin, members, fair, slack, shares, cached)
+            chosen = self._instead(window, counts, candidates, pin, members, fair, slack, shares, cached)
+            if window.overflow.get(pin) == chosen.name and shared is not None:
+                window.fresh[pin] = (chosen.name, self.wall())
         name = chosen.name
+        counts = window.counts
         counts[name] += 1
         recent = window.recent
         recent.append(name)
         while len(recent) > size:  # (size follows the estimate of the number of proxies)
             counts[recent.popleft()] -= 1
         return chosen, capped
+
+    def snapshot(self) -> dict[str, tuple[tuple[str, ...], int, list[int], list[tuple[int, str, float]]]]:
+        """Every route's window as the other proxies read it: (replicas, decisions, counts, and
+        the overflows of the last FRESH_S: (pin, replica, wall time))."""
+        out = {}
+        old = self.wall() - FRESH_S
+        for route, w in self._routes.items():
+            if w.fresh:
+                for pin in [pin for pin, (_, at) in w.fresh.items() if at < old]:
+                    del w.fresh[pin]
+            if w.recent:
+                out[route] = (w.names, len(w.recent), [w.counts[name] for name in w.names],
+                              [(pin, name, at) for pin, (name, at) in w.fresh.items()])
+        return out
+
+    def adopt(self, route: str, names: tuple[str, ...], overflows: list[tuple[int, str, float]]) -> None:
+        """Another proxy's recent overflows: a tenant capped anywhere overflows to the same
+        replica everywhere (its prompt is cached there), unless this proxy chose since."""
+        window = self._routes.get(route)
+        if window is None or window.names != names:
+            return
+        for pin, name, at in overflows:
+            mine = window.fresh.get(pin)
+            if mine is None or mine[1] < at:
+                window.overflow[pin] = name
 
     def settled(self, route: str, pin: int) -> bool:
         """The tenant overflowed before, and the route's window is past a fresh start's filling
@@ -115,9 +170,9 @@ class Balance:
         return window.shares
 
     @staticmethod
-    def _instead(window: Window, candidates: Sequence[Backend], pin: int, members: Sequence[str],
-                 fair: float, slack: float, shares: dict[str, float] | None, cached: str | None) -> Backend:
-        counts = window.counts
+    def _instead(window: Window, counts: dict[str, int], candidates: Sequence[Backend], pin: int,
+                 members: Sequence[str], fair: float, slack: float, shares: dict[str, float] | None,
+                 cached: str | None) -> Backend:
         if shares:  # requests still under the cap, each replica's by its share of the speed
             def room(b: Backend) -> float:
                 return fair * shares[b.name] + slack - counts[b.name]

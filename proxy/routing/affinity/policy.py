@@ -49,8 +49,10 @@ class PrefixAffinity:
         self.table = TenantTable(config, self.store, self.tenants, timer.time)
         self.repair = Repair(config, self.view, self.tenants, self.table, self.store, timer.time)
         self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack,
-                                config.speed_balance)
+                                config.speed_balance, shared, timer.time)
                         if config.balance_window_requests else None)
+        if shared is not None and self.balance is not None:
+            shared.local_guard, shared.adopt_overflows = self.balance.snapshot, self.balance.adopt
         self.coalescer = None
         if config.coalesce_wait_s > 0:
             self.coalescer = Coalescer(config.coalesce_wait_s, shared.warming if shared is not None else None)

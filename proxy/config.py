@@ -289,7 +289,7 @@ class AffinityConfig(Strict):
     )
     balance_epsilon: float = Field(0.03, ge=0, le=10, description="headroom of the balance guard over the mean")
     speed_balance: float = Field(
-        0.5, ge=0, le=1, description="a replica that decodes k times slower than the fastest (its scraped inter-token "
+        0.35, ge=0, le=1, description="a replica that decodes k times slower than the fastest (its scraped inter-token "
         "latency; 1.5x or more on two scrapes in a row, else replicas count alike) counts 1 + speed_balance x (k - 1) per request in the load "
         "bound, the balance guard and the packing repair (proxy/routing/speed.py): 1 gives it 1/k of a share, 0 "
         "turns this off. Needs the replicas' /metrics (metrics.scrape_backends)"

@@ -107,15 +107,19 @@ class Balance:
             slack = _SLACK
             fair = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * (filled + others[0]) / n
             remote = others[1]
-            counts = {name: c + remote.get(name, 0) for name, c in counts.items()}
         limit = fair + slack
         shares = None
         if Backend.speed_version and self.speed_balance:
             shares = self._shares(window, candidates)
             if shares:
                 limit = fair * shares[chosen.name] + slack
-        capped = counts[chosen.name] + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0)
+        count = counts[chosen.name]
+        if others is not None:
+            count += remote.get(chosen.name, 0)
+        capped = count + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0)
         if capped:
+            if others is not None:
+                counts = {name: c + remote.get(name, 0) for name, c in counts.items()}
             chosen = self._instead(window, counts, candidates, pin, members, fair, slack, shares, cached)
             if window.overflow.get(pin) == chosen.name and shared is not None:
                 window.fresh[pin] = (chosen.name, self.wall())

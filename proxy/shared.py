@@ -46,10 +46,18 @@ log = logging.getLogger("vllm_proxy.shared")
 
 LOAD_KEY = "vp:load"
 TENANTS_KEY = "vp:tenants"  # field: proxy id -> its busiest tenants' decayed request counts (JSON)
-_TENANTS_EVERY_S = 1.0  # how often a proxy publishes them
+_TENANTS_EVERY_S = 1.0  # how often a proxy publishes them...
+# ... or after this many requests routed here, whichever comes first: a new population's tenants
+# reach the others' packing repair within as many requests at any rate (at 10x a benchmark's
+# rate, 1 s was most of a phase)
+_TENANTS_EVERY_REQUESTS = 32
+_TENANTS_MIN_S = 0.1  # but not more often than this (the payload is up to _TENANTS_TOP tenants)
 _TENANTS_TOP = 2048  # tenants per proxy published (the planner moves the ones that carry traffic)
 GUARD_KEY = "vp:guard"  # field: proxy id|route -> its balance window: replicas, decisions, counts (JSON)
-_GUARD_FRESH_S = 1.0  # a window published longer ago than this is not counted (that proxy went idle)
+# a window published longer ago than one load window (`rate_tau`: load_window_requests at the
+# measured rate, so the same number of requests at any rate), or this, is not counted: that
+# proxy went idle or away
+_GUARD_FRESH_S = 1.0
 PINS_KEY = "vp:pins"  # field: pin key (hex) -> "replica,replica,...|unix time of the last write"
 LOG_KEY = "vp:log"  # stream of changes: p = proxy id, i = index entries, t = placements changed
 _LOG_MAXLEN = 10000  # entries kept (at most one per proxy and flush, up to 50 a second): the recent past, bounded
@@ -196,6 +204,8 @@ class SharedState:
         # (tenant -> decayed requests routed here, all requests) at a time; set by the policy
         self.local_tenants: Callable[[float], tuple[dict[int, float], float] | None] | None = None
         self._tenants_at = 0.0
+        self.routed = 0  # requests routed here (the policy counts them), for the tenants' cadence
+        self._tenants_routed = 0
         # the balance guard's windows (route -> (replicas, decisions, counts in replica order)); set
         # by the policy. The others' windows, summed per (route, replicas): (decisions, name -> count)
         self.local_guard: Callable[[], dict[str, tuple[tuple[str, ...], int, list[int], list]]] | None = None
@@ -575,8 +585,10 @@ class SharedState:
         mine = {f"{self.proxy_id}|{b}": f"{n}|{now:.3f}|{rates.get(b, 0.0):.2f}" for b, n in self.local_load().items()}
         if mine:
             pipe.hset(LOAD_KEY, mapping=mine)
-        if self.local_tenants is not None and now - self._tenants_at >= _TENANTS_EVERY_S:
-            self._tenants_at = now
+        since = now - self._tenants_at
+        if self.local_tenants is not None and (since >= _TENANTS_EVERY_S or since >= _TENANTS_MIN_S and
+                                               self.routed - self._tenants_routed >= _TENANTS_EVERY_REQUESTS):
+            self._tenants_at, self._tenants_routed = now, self.routed
             counts = self.local_tenants(now)
             if counts is not None:
                 top = heapq.nlargest(_TENANTS_TOP, counts[0].items(), key=lambda kv: kv[1])
@@ -605,6 +617,7 @@ class SharedState:
         sees another fleet (a change not yet seen by all) or went idle is left out."""
         out: dict[tuple[str, tuple[str, ...]], tuple[int, dict[str, int]]] = {}
         stale = []
+        fresh = max(_GUARD_FRESH_S, self.rate_tau)
         for field, value in table.items():
             proxy, _, route = field.partition("|")
             try:
@@ -617,9 +630,9 @@ class SharedState:
             except (ValueError, KeyError, TypeError, orjson.JSONDecodeError):
                 stale.append(field)
                 continue
-            if age > 5.0:
+            if age > 2 * fresh + 5.0:
                 stale.append(field)
-            elif proxy != self.proxy_id and age <= _GUARD_FRESH_S:
+            elif proxy != self.proxy_id and age <= fresh:
                 key = (route, names)
                 total, by = out.get(key, (0, {}))
                 for name, n in zip(names, counts):

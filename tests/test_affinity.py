@@ -652,6 +652,7 @@ def test_the_clock_counts_every_proxys_requests() -> None:
         pins_changed, up, remote_load, rate_tau = 0, False, {}, 1.0
         remote_rate: dict = {}
         remote_guard: dict = {}
+        routed = 0
         remote_rate_at = 0.0
 
         def longest(self, chain):

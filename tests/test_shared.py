@@ -21,6 +21,7 @@ from proxy.routing.affinity import PrefixAffinity
 from proxy.routing.affinity.balance import Balance
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
+from proxy import shared as shared_module
 from proxy.shared import SharedState
 from tests.conftest import MODEL, Servers, eventually
 
@@ -231,6 +232,50 @@ def test_the_balance_guard_counts_every_proxys_decisions_and_shares_overflows(re
                 return ga._routes[route].overflow.get(7) == chosen.name
 
             await until(a_adopted, timeout=30.0)
+        finally:
+            for s in (a, b):
+                await s.stop()
+
+    asyncio.run(scenario())
+
+
+def test_tenant_counts_go_out_after_a_few_dozen_requests_at_any_rate(redis_url: str, monkeypatch) -> None:
+    """A busy proxy publishes its tenants' counts (for the others' packing repair) every
+    _TENANTS_EVERY_REQUESTS requests it routes, not only every _TENANTS_EVERY_S: at ten times
+    the rate one second is ten times as many requests of a new population unseen. (The time
+    cadence is an hour here: only the request count can deliver within the test.)"""
+    monkeypatch.setattr(shared_module, "_TENANTS_EVERY_S", 3600.0)
+
+    async def scenario() -> None:
+        totals = {"n": 1.0}
+        a = SharedState(redis_url, local_load=dict, sync_interval_s=60.0, busy_sync_interval_s=0.01)
+        b = SharedState(redis_url, local_load=dict, sync_interval_s=60.0, busy_sync_interval_s=0.01)
+        a.local_tenants = lambda wall: ({5: totals["n"]}, totals["n"])
+        for s in (a, b):
+            s.start()
+        try:
+            await until(lambda: a.up and b.up)
+
+            async def b_reads(total: float) -> bool:
+                a.busy = True
+                others = await b.other_tenants()
+                return others is not None and abs(others[1] - total) < 0.5
+
+            async def wait_for_total(total: float) -> None:
+                deadline = time.monotonic() + 30.0
+                while not await b_reads(total):
+                    assert time.monotonic() < deadline, "tenant counts not published"
+                    await asyncio.sleep(0.01)
+
+            await wait_for_total(1.0)  # the first round publishes
+            totals["n"] = 50.0
+            a.routed += shared_module._TENANTS_EVERY_REQUESTS - 1
+            for _ in range(30):  # one request short: nothing new goes out
+                a.busy = True
+                await asyncio.sleep(0.01)
+            assert not await b_reads(50.0)
+            a.routed += 1
+            await wait_for_total(50.0)
         finally:
             for s in (a, b):
                 await s.stop()

@@ -114,6 +114,7 @@ class PrefixAffinity:
         match = None
         if shared is not None:
             shared.busy = True
+            shared.routed += 1
             match = shared.longest(chain)
         if match is None:
             match = self.index.longest(chain)

@@ -623,11 +623,12 @@ class SharedState:
             try:
                 entry = orjson.loads(value)
                 age = now - float(entry["at"])
-                names, filled, counts = tuple(entry["names"]), int(entry["filled"]), entry["counts"]
+                names = tuple(str(name) for name in entry["names"])
+                filled, counts = int(entry["filled"]), [int(n) for n in entry["counts"]]
                 if len(counts) != len(names):
                     raise ValueError(field)
                 overflow = [(int(pin, 16), str(name), float(at)) for pin, name, at in entry.get("overflow", ())]
-            except (ValueError, KeyError, TypeError, orjson.JSONDecodeError):
+            except (ValueError, KeyError, TypeError, AttributeError, orjson.JSONDecodeError):  # not ours: dropped
                 stale.append(field)
                 continue
             if age > 2 * fresh + 5.0:
@@ -636,7 +637,7 @@ class SharedState:
                 key = (route, names)
                 total, by = out.get(key, (0, {}))
                 for name, n in zip(names, counts):
-                    by[name] = by.get(name, 0) + int(n)
+                    by[name] = by.get(name, 0) + n
                 out[key] = (total + filled, by)
                 if overflow and self.adopt_overflows is not None:
                     self.adopt_overflows(route, names, overflow)

@@ -22,7 +22,7 @@ from proxy.routing.affinity.balance import Balance
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
 from proxy import shared as shared_module
-from proxy.shared import SharedState
+from proxy.shared import GUARD_KEY, SharedState
 from tests.conftest import MODEL, Servers, eventually
 
 import orjson
@@ -211,6 +211,12 @@ def test_the_balance_guard_counts_every_proxys_decisions_and_shares_overflows(re
             s.start()
         try:
             await until(lambda: a.up and b.up)
+            # entries no proxy wrote are ignored (and dropped), never taken for an outage
+            await a.client.hset(GUARD_KEY, mapping={
+                "x|m": "not json", "y|m": "[1, 2]", "z|m": orjson.dumps({"at": 1e18, "names": [[1]], "filled": 1,
+                                                                         "counts": ["a"]}),
+                "w|m": orjson.dumps({"at": time.time(), "names": ["gpu-0"], "filled": 1, "counts": [1],
+                                     "overflow": [["zz", "gpu-0", 0]]})})
             assert gb.check(route, bs, bs[3], 1, (), False, 2.0) == (bs[3], False)  # b's own window
             for i in range(100):
                 assert ga.check(route, bs, bs[0], 100 + i, ("gpu-0",), False, 2.0) == (bs[0], False)
@@ -224,6 +230,7 @@ def test_the_balance_guard_counts_every_proxys_decisions_and_shares_overflows(re
                 return b.remote_guard.get((route, tuple(x.name for x in bs)), (0,))[0] == 100
 
             await until(b_sees_a, timeout=30.0)
+            assert a.up and b.up
             chosen, capped = gb.check(route, bs, bs[0], 7, ("gpu-0",), False, 2.0)
             assert capped and chosen.name != "gpu-0"
 

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 _SLACK = 10.0  # requests above (1 + eps) x mean: a cap at small counts is not a round robin
 FRESH_S = 1.0  # overflows published this long (the other proxies read them within a sync or two)
+_FRESH_MAX = 256  # and at most this many of them
 _FILLING = 0.3  # extra relative headroom while the window fills (falls linearly to 0 when full)
 
 
@@ -122,6 +123,7 @@ class Balance:
                 counts = {name: c + remote.get(name, 0) for name, c in counts.items()}
             chosen = self._instead(window, counts, candidates, pin, members, fair, slack, shares, cached)
             if window.overflow.get(pin) == chosen.name and shared is not None:
+                window.fresh.pop(pin, None)  # (to the end: newest last)
                 window.fresh[pin] = (chosen.name, self.wall())
         name = chosen.name
         counts = window.counts
@@ -140,6 +142,9 @@ class Balance:
         for route, w in self._routes.items():
             if w.fresh:
                 for pin in [pin for pin, (_, at) in w.fresh.items() if at < old]:
+                    del w.fresh[pin]
+            if len(w.fresh) > _FRESH_MAX:  # bounded: the newest (the dict keeps insertion order)
+                for pin in list(w.fresh)[:len(w.fresh) - _FRESH_MAX]:
                     del w.fresh[pin]
             if w.recent:
                 out[route] = (w.names, len(w.recent), [w.counts[name] for name in w.names],

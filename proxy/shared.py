@@ -51,7 +51,7 @@ _TENANTS_EVERY_S = 1.0  # how often a proxy publishes them...
 # reach the others' packing repair within as many requests at any rate (at 10x a benchmark's
 # rate, 1 s was most of a phase)
 _TENANTS_EVERY_REQUESTS = 32
-_TENANTS_MIN_S = 0.1  # but not more often than this (the payload is up to _TENANTS_TOP tenants)
+_TENANTS_MIN_S = 0.25  # but not more often than this (the payload is up to _TENANTS_TOP tenants)
 _TENANTS_TOP = 2048  # tenants per proxy published (the planner moves the ones that carry traffic)
 GUARD_KEY = "vp:guard"  # field: proxy id|route -> its balance window: replicas, decisions, counts (JSON)
 # a window published longer ago than one load window (`rate_tau`: load_window_requests at the
@@ -620,6 +620,8 @@ class SharedState:
         fresh = max(_GUARD_FRESH_S, self.rate_tau)
         for field, value in table.items():
             proxy, _, route = field.partition("|")
+            if proxy == self.proxy_id:
+                continue
             try:
                 entry = orjson.loads(value)
                 age = now - float(entry["at"])
@@ -631,9 +633,9 @@ class SharedState:
             except (ValueError, KeyError, TypeError, AttributeError, orjson.JSONDecodeError):  # not ours: dropped
                 stale.append(field)
                 continue
-            if age > 2 * fresh + 5.0:
+            if age > 2 * fresh + 5.0 or age < -fresh:  # (gone, or a stamp from the future)
                 stale.append(field)
-            elif proxy != self.proxy_id and age <= fresh:
+            elif age <= fresh:
                 key = (route, names)
                 total, by = out.get(key, (0, {}))
                 for name, n in zip(names, counts):

@@ -201,8 +201,9 @@ def test_the_balance_guard_counts_every_proxys_decisions_and_shares_overflows(re
     async def scenario() -> None:
         bs = fleet(4)
         route = "m"
-        # a never caps (a huge epsilon) and sends 100 requests to gpu-0; b caps at the default
-        ga, gb = Balance(200, 10.0, 0.1), Balance(200, 0.03, 0.1)
+        # a never caps (a huge epsilon); b caps at the default. One wall time for both: what is
+        # published stays recent however slowly the test runs
+        ga, gb = Balance(200, 10.0, 0.1, wall=lambda: 1000.0), Balance(200, 0.03, 0.1, wall=lambda: 1000.0)
         a = SharedState(redis_url, local_load=dict, sync_interval_s=60.0, busy_sync_interval_s=0.01)
         b = SharedState(redis_url, local_load=dict, sync_interval_s=60.0, busy_sync_interval_s=0.01)
         ga.shared, gb.shared = a, b
@@ -218,18 +219,24 @@ def test_the_balance_guard_counts_every_proxys_decisions_and_shares_overflows(re
                 "w|m": orjson.dumps({"at": time.time(), "names": ["gpu-0"], "filled": 1, "counts": [1],
                                      "overflow": [["zz", "gpu-0", 0]]})})
             assert gb.check(route, bs, bs[3], 1, (), False, 2.0) == (bs[3], False)  # b's own window
+            # a lists the replicas in another order: the same fleet all the same
+            shuffled = [bs[2], bs[0], bs[3], bs[1]]
+            for i in range(100):  # 25 each: gpu-0 is at the fleet's mean, nothing to cap
+                assert ga.check(route, shuffled, shuffled[i % 4], 100 + i, (), False, 2.0)[1] is False
+
+            def b_sees_a(total: int) -> bool:
+                a.busy = b.busy = True  # both route requests (the policy sets it on every decision)
+                return b.remote_guard.get((route, tuple(sorted(x.name for x in bs))), (0,))[0] == total
+
+            await until(lambda: b_sees_a(100), timeout=30.0)
+            assert gb.check(route, bs, bs[0], 6, ("gpu-0",), False, 2.0) == (bs[0], False)
             for i in range(100):
-                assert ga.check(route, bs, bs[0], 100 + i, ("gpu-0",), False, 2.0) == (bs[0], False)
+                assert ga.check(route, shuffled, bs[0], 200 + i, ("gpu-0",), False, 2.0) == (bs[0], False)
             # alone, b's first request for gpu-0 is far under its cap (its part of the window holds one)
             alone = Balance(200, 0.03, 0.1)
             alone.check(route, bs, bs[3], 1, (), False, 2.0)
             assert alone.check(route, bs, bs[0], 7, ("gpu-0",), False, 2.0) == (bs[0], False)
-
-            def b_sees_a() -> bool:
-                a.busy = b.busy = True  # both route requests (the policy sets it on every decision)
-                return b.remote_guard.get((route, tuple(x.name for x in bs)), (0,))[0] == 100
-
-            await until(b_sees_a, timeout=30.0)
+            await until(lambda: b_sees_a(200), timeout=30.0)
             assert a.up and b.up
             chosen, capped = gb.check(route, bs, bs[0], 7, ("gpu-0",), False, 2.0)
             assert capped and chosen.name != "gpu-0"
@@ -258,6 +265,7 @@ def test_tenant_counts_go_out_after_a_few_dozen_requests_at_any_rate(redis_url: 
         a = SharedState(redis_url, local_load=dict, sync_interval_s=60.0, busy_sync_interval_s=0.01)
         b = SharedState(redis_url, local_load=dict, sync_interval_s=60.0, busy_sync_interval_s=0.01)
         a.local_tenants = lambda wall: ({5: totals["n"]}, totals["n"])
+        b.rate_tau = 1e9  # (no decay of what b reads: a slow read must not change the total)
         for s in (a, b):
             s.start()
         try:

@@ -47,11 +47,16 @@ _FILLING = 0.3  # extra relative headroom while the window fills (falls linearly
 class Window:
     """One route's recent decisions: replica name -> how many of the last `size`."""
 
-    __slots__ = ("names", "fleet", "recent", "counts", "overflow", "fresh", "filling", "size", "again", "speeds",
-                 "shares")
+    __slots__ = ("names", "key", "fleet", "recent", "counts", "overflow", "fresh", "filling", "size", "again",
+                 "speeds", "shares", "decided", "published")
 
-    def __init__(self, names: tuple[str, ...], before: "Window | None" = None) -> None:
+    def __init__(self, names: tuple[str, ...], before: "Window | None" = None, route: str = "") -> None:
         self.names = names
+        # what the other proxies' windows of the same route and replicas are found by (replicas
+        # sorted: proxies list them in the order they found them)
+        self.key = (route, tuple(sorted(set(names))))
+        self.decided = 0  # decisions so far, and as of the last snapshot (an idle window is not republished)
+        self.published = -1
         self.fleet: tuple[Backend, ...] = ()
         self.counts: dict[str, int] = dict.fromkeys(names, 0)
         self.recent: deque[str] = deque()
@@ -90,7 +95,7 @@ class Balance:
         if window is None or (window.fleet is not candidates and window.fleet != tuple(candidates)):
             names = tuple(b.name for b in candidates)
             if window is None or window.names != names:
-                window = self._routes[route] = Window(names, window)
+                window = self._routes[route] = Window(names, window, route)
             window.fleet = tuple(candidates)
         counts = window.counts
         proxies = 1.0 if 1.0 > proxies else proxies  # (max and min as conditionals: this runs on every request)
@@ -99,14 +104,14 @@ class Balance:
         filled = len(window.recent)
         window.size = size
         shared = self.shared
-        others = shared.remote_guard.get((route, window.names)) if shared is not None and shared.remote_guard else None
+        others = shared.remote_guard.get(window.key) if shared is not None and shared.remote_guard else None
         if others is None:
             # each proxy holds its own part to the cap: their slacks add up to one
             slack = _SLACK / proxies
             fair = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * filled / n
         else:  # the whole fleet's window: this proxy's decisions now, the others' as last published
-            slack = _SLACK
-            fair = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * (filled + others[0]) / n
+            slack = _SLACK  # (a fresh start's looseness only for this proxy's own part)
+            fair = ((1.0 + self.epsilon) * (filled + others[0]) + window.filling * (1.0 - filled / size) * filled) / n
             remote = others[1]
         limit = fair + slack
         shares = None
@@ -123,11 +128,16 @@ class Balance:
                 counts = {name: c + remote.get(name, 0) for name, c in counts.items()}
             chosen = self._instead(window, counts, candidates, pin, members, fair, slack, shares, cached)
             if window.overflow.get(pin) == chosen.name and shared is not None:
-                window.fresh.pop(pin, None)  # (to the end: newest last)
-                window.fresh[pin] = (chosen.name, self.wall())
+                fresh = window.fresh
+                fresh.pop(pin, None)  # (to the end: newest last)
+                fresh[pin] = (chosen.name, self.wall())
+                if len(fresh) > 2 * _FRESH_MAX:  # bounded also while nothing publishes (Redis down)
+                    for old in list(fresh)[:len(fresh) - _FRESH_MAX]:
+                        del fresh[old]
         name = chosen.name
         counts = window.counts
         counts[name] += 1
+        window.decided += 1
         recent = window.recent
         recent.append(name)
         while len(recent) > size:  # (size follows the estimate of the number of proxies)
@@ -135,8 +145,9 @@ class Balance:
         return chosen, capped
 
     def snapshot(self) -> dict[str, tuple[tuple[str, ...], int, list[int], list[tuple[int, str, float]]]]:
-        """Every route's window as the other proxies read it: (replicas, decisions, counts, and
-        the overflows of the last FRESH_S: (pin, replica, wall time))."""
+        """Every route's window that decided since the last snapshot, as the other proxies read
+        it: (replicas sorted, decisions, their counts, and the overflows of the last FRESH_S:
+        (pin, replica, wall time)). A window left out keeps its last entry, which ages out."""
         out = {}
         old = self.wall() - FRESH_S
         for route, w in self._routes.items():
@@ -146,8 +157,10 @@ class Balance:
             if len(w.fresh) > _FRESH_MAX:  # bounded: the newest (the dict keeps insertion order)
                 for pin in list(w.fresh)[:len(w.fresh) - _FRESH_MAX]:
                     del w.fresh[pin]
-            if w.recent:
-                out[route] = (w.names, len(w.recent), [w.counts[name] for name in w.names],
+            if w.recent and w.decided != w.published:
+                w.published = w.decided
+                names = w.key[1]
+                out[route] = (names, len(w.recent), [w.counts[name] for name in names],
                               [(pin, name, at) for pin, (name, at) in w.fresh.items()])
         return out
 
@@ -155,12 +168,16 @@ class Balance:
         """Another proxy's recent overflows: a tenant capped anywhere overflows to the same
         replica everywhere (its prompt is cached there), unless this proxy chose since."""
         window = self._routes.get(route)
-        if window is None or window.names != names:
+        if window is None or window.key[1] != names:
             return
+        old = self.wall() - FRESH_S  # (an idle proxy's last list stays readable longer)
+        overflow = window.overflow
         for pin, name, at in overflows:
             mine = window.fresh.get(pin)
-            if mine is None or mine[1] < at:
-                window.overflow[pin] = name
+            if at >= old and (mine is None or mine[1] < at):
+                if len(overflow) > 4 * len(window.names) + 1024:
+                    overflow.clear()  # bounded, as in _instead
+                overflow[pin] = name
 
     def settled(self, route: str, pin: int) -> bool:
         """The tenant overflowed before, and the route's window is past a fresh start's filling

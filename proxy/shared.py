@@ -213,6 +213,9 @@ class SharedState:
         self.adopt_overflows: Callable[[str, tuple[str, ...], list[tuple[int, str, float]]], None] | None = None
         self.remote_guard: dict[tuple[str, tuple[str, ...]], tuple[int, dict[str, int]]] = {}
         self._guard_fields: set[str] = set()
+        # the others' windows as last read: field -> (its raw value, parsed); one that did not
+        # change (no decision there since) is not parsed again
+        self._guard_read: dict[str, tuple[str, tuple]] = {}
         # mirror of the placement table: pin -> (members, stamp); `pins_changed` bumps on bulk changes
         self.pins: dict[int, tuple[tuple[str, ...], float]] = {}
         self.pins_changed = 0
@@ -594,8 +597,7 @@ class SharedState:
                 top = heapq.nlargest(_TENANTS_TOP, counts[0].items(), key=lambda kv: kv[1])
                 payload = {"at": now, "total": counts[1], "rates": {f"{p:016x}": round(r, 3) for p, r in top}}
                 pipe.hset(TENANTS_KEY, self.proxy_id, orjson.dumps(payload))
-        guard = self.local_guard is not None and busy
-        if guard:
+        if self.local_guard is not None and busy:
             windows = {f"{self.proxy_id}|{route}": orjson.dumps({
                 "at": now, "names": names, "filled": filled, "counts": counts,
                 "overflow": [(f"{pin:016x}", name, at) for pin, name, at in overflow]})
@@ -618,24 +620,33 @@ class SharedState:
         out: dict[tuple[str, tuple[str, ...]], tuple[int, dict[str, int]]] = {}
         stale = []
         fresh = max(_GUARD_FRESH_S, self.rate_tau)
+        read, self._guard_read = self._guard_read, {}
         for field, value in table.items():
             proxy, _, route = field.partition("|")
             if proxy == self.proxy_id:
                 continue
-            try:
-                entry = orjson.loads(value)
-                age = now - float(entry["at"])
-                names = tuple(str(name) for name in entry["names"])
-                filled, counts = int(entry["filled"]), [int(n) for n in entry["counts"]]
-                if len(counts) != len(names):
-                    raise ValueError(field)
-                overflow = [(int(pin, 16), str(name), float(at)) for pin, name, at in entry.get("overflow", ())]
-            except (ValueError, KeyError, TypeError, AttributeError, orjson.JSONDecodeError):  # not ours: dropped
-                stale.append(field)
-                continue
+            known = read.get(field)
+            if known is None or known[0] != value:
+                try:
+                    entry = orjson.loads(value)
+                    names = tuple(str(name) for name in entry["names"])
+                    counts = [int(n) for n in entry["counts"]]
+                    if len(counts) != len(names):
+                        raise ValueError(field)
+                    parsed = (float(entry["at"]), names, int(entry["filled"]), counts,
+                              [(int(pin, 16), str(name), float(at)) for pin, name, at in entry.get("overflow", ())])
+                except (ValueError, KeyError, TypeError, AttributeError, orjson.JSONDecodeError):  # not ours: dropped
+                    stale.append(field)
+                    continue
+            else:
+                parsed = known[1]
+            at, names, filled, counts, overflow = parsed
+            age = now - at
             if age > 2 * fresh + 5.0 or age < -fresh:  # (gone, or a stamp from the future)
                 stale.append(field)
-            elif age <= fresh:
+                continue
+            self._guard_read[field] = (value, parsed)
+            if age <= fresh:
                 key = (route, names)
                 total, by = out.get(key, (0, {}))
                 for name, n in zip(names, counts):

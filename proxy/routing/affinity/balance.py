@@ -127,13 +127,6 @@ class Balance:
             if others is not None:
                 counts = {name: c + remote.get(name, 0) for name, c in counts.items()}
             chosen = self._instead(window, counts, candidates, pin, members, fair, slack, shares, cached)
-            if window.overflow.get(pin) == chosen.name and shared is not None:
-                fresh = window.fresh
-                fresh.pop(pin, None)  # (to the end: newest last)
-                fresh[pin] = (chosen.name, self.wall())
-                if len(fresh) > 2 * _FRESH_MAX:  # bounded also while nothing publishes (Redis down)
-                    for old in list(fresh)[:len(fresh) - _FRESH_MAX]:
-                        del fresh[old]
         name = chosen.name
         counts = window.counts
         counts[name] += 1
@@ -154,9 +147,7 @@ class Balance:
             if w.fresh:
                 for pin in [pin for pin, (_, at) in w.fresh.items() if at < old]:
                     del w.fresh[pin]
-            if len(w.fresh) > _FRESH_MAX:  # bounded: the newest (the dict keeps insertion order)
-                for pin in list(w.fresh)[:len(w.fresh) - _FRESH_MAX]:
-                    del w.fresh[pin]
+                _trim(w.fresh, _FRESH_MAX)
             if w.recent and w.decided != w.published:
                 w.published = w.decided
                 names = w.key[1]
@@ -171,13 +162,10 @@ class Balance:
         if window is None or window.key[1] != names:
             return
         old = self.wall() - FRESH_S  # (an idle proxy's last list stays readable longer)
-        overflow = window.overflow
         for pin, name, at in overflows:
             mine = window.fresh.get(pin)
             if at >= old and (mine is None or mine[1] < at):
-                if len(overflow) > 4 * len(window.names) + 1024:
-                    overflow.clear()  # bounded, as in _instead
-                overflow[pin] = name
+                _remember(window.overflow, pin, name, len(window.names))
 
     def settled(self, route: str, pin: int) -> bool:
         """The tenant overflowed before, and the route's window is past a fresh start's filling
@@ -195,8 +183,7 @@ class Balance:
             window.shares = None if parts is None else {b.name: v for b, v in zip(candidates, parts)}
         return window.shares
 
-    @staticmethod
-    def _instead(window: Window, counts: dict[str, int], candidates: Sequence[Backend], pin: int,
+    def _instead(self, window: Window, counts: dict[str, int], candidates: Sequence[Backend], pin: int,
                  members: Sequence[str], fair: float, slack: float, shares: dict[str, float] | None,
                  cached: str | None) -> Backend:
         if shares:  # requests still under the cap, each replica's by its share of the speed
@@ -216,7 +203,25 @@ class Balance:
         # where its prompt is (every proxy's index agrees through Redis; its overflow memory is its own)
         last = cached if any(b.name == cached for b in under) else last
         chosen = next((b for b in under if b.name == last), None) or max(under, key=room)
-        if len(window.overflow) > 4 * len(candidates) + 1024:
-            window.overflow.clear()  # bounded: the tenants of long ago need no memory here
-        window.overflow[pin] = chosen.name
+        _remember(window.overflow, pin, chosen.name, len(candidates))
+        if self.shared is not None:  # for the other proxies (`snapshot`), newest last
+            fresh = window.fresh
+            fresh.pop(pin, None)
+            fresh[pin] = (chosen.name, self.wall())
+            if len(fresh) > 2 * _FRESH_MAX:  # bounded also while nothing publishes (Redis down)
+                _trim(fresh, _FRESH_MAX)
         return chosen
+
+
+def _remember(overflow: dict[int, str], pin: int, name: str, replicas: int) -> None:
+    """The tenant's overflow replica, in a memory bounded by clearing it: the tenants of long
+    ago need none."""
+    if len(overflow) > 4 * replicas + 1024:
+        overflow.clear()
+    overflow[pin] = name
+
+
+def _trim(entries: dict, keep: int) -> None:
+    """Drop all but the `keep` newest (last inserted) entries."""
+    for key in list(entries)[:len(entries) - keep]:
+        del entries[key]

@@ -67,6 +67,8 @@ def measure(ref: str, args: argparse.Namespace, tmp: Path, backends: list[str], 
             # periodic work (polls, the Redis sync) costs per second, not per request: under
             # callgrind's slow clock it would land in the window in proportion to the slowdown
             "discovery: {interval_s: 3600}\n")
+    for extra in args.extra:
+        text += extra + "\n"
     root = tree(ref, tmp / "trees")
     if redis_url:
         # (the busy cadence, where the tree has it: every 20 ms it would be ~130 k instructions a request)
@@ -111,6 +113,8 @@ def main() -> None:
                     help="replicas (fake backends) in the config: the policy's cost grows with them")
     ap.add_argument("--system", action="store_true",
                     help="the overhead benchmark's wrk body (with a short system prompt) instead of a bare question")
+    ap.add_argument("--extra", action="append", default=[], metavar="YAML",
+                    help="a top-level config line to add, e.g. 'logging: {access_log: false}' (repeatable)")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--warmup", type=int, default=300)
     args = ap.parse_args()

@@ -264,9 +264,64 @@ async def test_a_pooled_connection_whose_handle_closed_unannounced_is_replaced_u
         assert upstream.requests == 2 and conn.closed
         (again,) = pool._idle[upstream.key]
         again.transport = _ClosedHandle(again.transport)
-        with pytest.raises(UpstreamError) as err:
-            again.start(REQUEST + BODY, 1.0, asyncio.get_running_loop().time() + 1.0)
-        assert err.value.kind == "connect" and again.closed and again.response is None
+        resp = again.start(REQUEST + BODY, 1.0, asyncio.get_running_loop().time() + 1.0)
+        await asyncio.sleep(0)  # the pool's write pass runs
+        assert resp.unsent and resp._error is not None and resp._error.kind == "connect" and again.closed
+
+
+class _Recording:
+    """A transport that records when it is written to."""
+
+    def __init__(self, real: asyncio.Transport, log: list) -> None:
+        self.real, self.log = real, log
+
+    def is_closing(self) -> bool:
+        return self.real.is_closing()
+
+    def write(self, data: bytes) -> None:
+        self.log.append(data)
+        self.real.write(data)
+
+    def abort(self) -> None:
+        self.real.abort()
+
+
+async def test_requests_started_in_one_turn_are_written_together_after_it() -> None:
+    """One write pass per event-loop turn: a replica on the proxy's CPU is woken once per pass,
+    not once per request (each wake-up preempted the proxy)."""
+    async with Upstream(ok(b"a"), ok(b"b"), ok(b"c"), ok(b"d")) as upstream:
+        pool = Pool(4.0)
+        await asyncio.gather(fetch(pool, upstream), fetch(pool, upstream))  # two pooled connections
+        log: list = []
+        conns = pool._idle[upstream.key]
+        assert len(conns) == 2
+        for conn in conns:
+            conn.transport = _Recording(conn.transport, log)
+        deadline = asyncio.get_running_loop().time() + WAIT
+        first, second = (conn.start(REQUEST + BODY, WAIT, deadline) for conn in list(conns))
+        assert log == []  # nothing written while the turn routes
+        await asyncio.sleep(0)
+        assert log == [REQUEST + BODY] * 2
+        for resp in (first, second):
+            while not resp.done:
+                await resp._wait(WAIT, "no answer")
+            assert resp.status == 200
+
+
+async def test_a_connection_lost_before_its_write_pass_sent_nothing() -> None:
+    """Closed between the start of its request and the write pass: the request is unsent (a fresh
+    connection may take it), never reported as a reset of a request the upstream might have run."""
+    async with Upstream(ok(b"first"), ok(b"second")) as upstream:
+        pool = Pool(4.0)
+        assert await fetch(pool, upstream) == (200, b"first")
+        (conn,) = pool._idle[upstream.key]
+        resp = conn.start(REQUEST + BODY, WAIT, asyncio.get_running_loop().time() + WAIT)
+        conn.transport.abort()
+        conn.connection_lost(None)  # (as the transport reports it, before the pass)
+        await asyncio.sleep(0)
+        assert resp.unsent and resp._error is not None and resp._error.kind == "connect"
+        assert upstream.requests == 1
+        assert await fetch(pool, upstream) == (200, b"second")
 
 
 async def drip(writer: asyncio.StreamWriter, data: bytes, gap: float = 0.05) -> None:

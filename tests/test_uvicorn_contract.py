@@ -28,17 +28,17 @@ SERVER_PY = Path(__file__).resolve().parent.parent / "proxy" / "server.py"
 # HttpToolsProtocol attributes ProxyProtocol reads or writes (set by its __init__ or per request)
 PROTOCOL_ATTRIBUTES = {
     "app", "config", "connections", "cycle", "expect_100_continue", "flow", "headers", "limit_concurrency", "loop",
-    "parser", "root_path", "scope", "server_state", "tasks", "timeout_keep_alive", "timeout_keep_alive_task",
+    "parser", "root_path", "scope", "server_state", "tasks", "timeout_keep_alive",
     "transport", "url", "pipeline",
 }
 # HttpToolsProtocol methods ProxyProtocol overrides or calls (drain.py: shutdown)
 PROTOCOL_METHODS = {
     "connection_made": ["transport"], "connection_lost": ["exc"], "data_received": ["data"],
     "on_headers_complete": [], "on_body": ["body"], "on_message_complete": [], "send_400_response": ["msg"],
-    "on_response_complete": [], "shutdown": [], "resume_writing": [],
+    "on_response_complete": [], "shutdown": [], "resume_writing": [], "_start_asgi_task": ["cycle", "app"],
 }
 CYCLE_ATTRIBUTES = {"response_complete", "response_started", "disconnected", "message_event", "keep_alive"}
-SERVER_STATE_ATTRIBUTES = {"default_headers", "connections", "tasks"}
+SERVER_STATE_ATTRIBUTES = {"default_headers", "connections", "tasks", "total_requests"}
 FLOW_ATTRIBUTES = {"pause_reading", "resume_reading", "write_paused", "drain"}
 SERVER_ATTRIBUTES = {"server_state", "config", "force_exit", "servers", "lifespan", "startup", "shutdown"}
 

@@ -95,7 +95,7 @@ class LineWriter(logging.Handler):
             pass
         self.pending: list[bytes] = []
         self.size = 0
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer_loop: asyncio.AbstractEventLoop | None = None  # the loop whose flush timer is pending
         self.mutex = threading.Lock()  # several proxies (threads) may share it in one process
         atexit.register(self.flush)
 
@@ -110,23 +110,28 @@ class LineWriter(logging.Handler):
             self.pending.append(data)
             self.size += len(data)
             if self.size < self.BATCH - 512:
-                if self.timer is None:
-                    try:
-                        self.timer = asyncio.get_running_loop().call_later(self.DELAY_S, self.flush)
-                    except RuntimeError:  # no event loop in this thread: write now
-                        pass
-                    else:
-                        return
-                else:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # no event loop in this thread: write now
+                    loop = None
+                if loop is not None:
+                    # one timer per loop at a time, never cancelled (a loop's timer is not another
+                    # thread's to cancel): when it fires it writes what is pending, if anything
+                    if self.timer_loop is not loop:
+                        self.timer_loop = loop
+                        loop.call_later(self.DELAY_S, self._timed, loop)
                     return
+        self.flush()
+
+    def _timed(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self.mutex:
+            if self.timer_loop is loop:
+                self.timer_loop = None
         self.flush()
 
     def flush(self) -> None:
         with self.mutex:
             lines, self.pending, self.size = self.pending, [], 0
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
         start = size = 0
         for i, data in enumerate(lines):  # writes of at most BATCH bytes, each ending on a line
             if size and size + len(data) > self.BATCH:

@@ -205,6 +205,9 @@ class _Connection(asyncio.Protocol):
             self.transport.write(request)
         except RuntimeError:  # uvloop: the handle closed (a reset) before connection_lost ran
             self._unwritten()
+        except Exception:  # (anything else: this request fails, the pass goes on with the others)
+            log.exception("writing a request to %s:%s failed", *self.key[1:])
+            self._unwritten()
 
     def _unwritten(self) -> None:
         response = self.response

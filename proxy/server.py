@@ -177,6 +177,8 @@ class ProxyProtocol(HttpToolsProtocol):
             return
         if phase == _REST and self._idle_since and self.loop.time() - self._idle_since > self.timeout_keep_alive:
             self.transport.close()  # idle past the keep-alive timeout (within a tick of it)
+            # (ticking on: a close waits for the client to read the rest, bounded by the send timeout)
+            self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
             return
         self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
 
@@ -238,12 +240,12 @@ class ProxyProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         # The common request arrives whole in one read: no clock is read for it. The clock starts
         # only for a head or body that a read leaves incomplete.
+        self._idle_since = 0.0  # (whatever arrives ends an idle spell, as uvicorn's timer did)
         phase = self._phase
         if phase == _REST:  # the next head begins (with its first byte, even a CRLF llhttp skips)
             self._phase = phase = _HEAD
             self._head_bytes = 0
             self._since = 0.0
-            self._idle_since = 0.0
         elif phase == _BODY:
             self._since = self.loop.time()
         elif phase == _LINGER:
@@ -289,7 +291,7 @@ class ProxyProtocol(HttpToolsProtocol):
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
-        else:
+        elif self._phase == _REST:  # (not when the next head has begun: it is no idle connection)
             self._idle_since = self.loop.time()
 
     def connection_lost(self, exc: Exception | None) -> None:

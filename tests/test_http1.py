@@ -308,6 +308,28 @@ async def test_requests_started_in_one_turn_are_written_together_after_it() -> N
             assert resp.status == 200
 
 
+class _Failing(_Recording):
+    def write(self, data: bytes) -> None:
+        raise ValueError("a transport that fails oddly")
+
+
+async def test_one_failing_write_does_not_stop_the_pass() -> None:
+    async with Upstream(ok(b"a"), ok(b"b"), ok(b"c")) as upstream:
+        pool = Pool(4.0)
+        await asyncio.gather(fetch(pool, upstream), fetch(pool, upstream))
+        log: list = []
+        broken, fine = pool._idle[upstream.key]
+        broken.transport = _Failing(broken.transport, log)
+        fine.transport = _Recording(fine.transport, log)
+        deadline = asyncio.get_running_loop().time() + WAIT
+        failed, answered = broken.start(REQUEST + BODY, WAIT, deadline), fine.start(REQUEST + BODY, WAIT, deadline)
+        await asyncio.sleep(0)
+        assert log == [REQUEST + BODY] and failed.unsent and failed._error.kind == "connect" and broken.closed
+        while not answered.done:
+            await answered._wait(WAIT, "no answer")
+        assert answered.status == 200
+
+
 async def test_a_connection_lost_before_its_write_pass_sent_nothing() -> None:
     """Closed between the start of its request and the write pass: the request is unsent (a fresh
     connection may take it), never reported as a reset of a request the upstream might have run."""

@@ -426,6 +426,38 @@ def test_line_writer_batches_whole_lines(tmp_path: Path) -> None:
     os.close(writer.fd)
 
 
+def test_a_line_writer_shared_by_two_event_loops_flushes_each_in_time(tmp_path: Path) -> None:
+    """Two proxies (event loops in threads) share the access log's writer. The first loop ends
+    with its flush timer pending: before, the second loop's lines then waited for a full batch
+    (64 KiB to a file) or the process's exit, because a timer was "armed" on a dead loop."""
+    import asyncio
+    import threading
+
+    from proxy.accesslog import LineWriter
+
+    path = tmp_path / "access.log"
+    writer = LineWriter(str(path))
+    found: list[int] = []
+
+    async def first() -> None:
+        writer.line(b'{"proxy":"a"}\n')  # its loop ends right after: the timer never fires
+
+    async def second() -> None:
+        for i in range(100):
+            writer.line(b'{"proxy":"b","i":%d}\n' % i)
+        deadline = asyncio.get_running_loop().time() + 30  # (a bound: the flush delay is 0.1 s)
+        while path.read_bytes().count(b"\n") < 101 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        found.append(path.read_bytes().count(b"\n"))
+
+    for job in (first, second):
+        thread = threading.Thread(target=asyncio.run, args=(job(),))
+        thread.start()
+        thread.join()
+    assert found == [101]
+    os.close(writer.fd)
+
+
 def test_usage_tokens() -> None:
     assert usage_tokens(b'{"x":1,"usage": {"prompt_tokens": 7, "total_tokens": 9, "completion_tokens": 2}}') == (7, 2)
     assert usage_tokens(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\ndata: [DONE]') == (3, 1)

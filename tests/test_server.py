@@ -3,8 +3,10 @@ chunked and large uploads, HTTP/1.0, Expect: 100-continue, a client leaving mid-
 from __future__ import annotations
 
 import socket
+import time
 
 import orjson
+import pytest
 
 from tests.conftest import MODEL, Servers
 
@@ -233,3 +235,71 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(servers: Serv
         assert status == 200 and "connection" not in headers  # kept alive
     assert f.read(1) == b""  # the server closed it (the socket's 10 s timeout would raise instead)
     sock.close()
+
+
+# --- keep-alive and send timeouts on the watchdog (a review's reproductions) --------------------
+
+async def _timed_app(scope, receive, send) -> None:
+    """GET /sleep/S answers "ok" after S seconds; GET /big answers 8 MiB."""
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    import asyncio
+
+    path = scope["path"]
+    if path.startswith("/sleep/"):
+        await asyncio.sleep(float(path.rsplit("/", 1)[1]))
+    body = b"x" * (8 << 20) if path == "/big" else b"ok"
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _limited(**changes):
+    from proxy.server import ProxyProtocol
+
+    return type("Limited", (ProxyProtocol,), {"header_timeout_s": 5.0, "body_timeout_s": 5.0, "send_timeout_s": 60.0,
+                                              **changes})
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_request_whose_head_began_during_the_previous_answer_is_not_cut_off_by_keep_alive(loop: str) -> None:
+    """B's first bytes arrive while A runs, the rest after A's answer, and B outlasts the
+    keep-alive timeout: before, the idle clock started at A's answer and closed B mid-way."""
+    from tests.support import ServerThread
+
+    with ServerThread(_timed_app, loop=loop, http=_limited(), timeout_keep_alive=0.5) as server:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        f = sock.makefile("rb")
+        sock.sendall(b"GET /sleep/0.3 HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.1)  # (a separate read: B's head begins while A runs; merged, the case is not met but passes)
+        sock.sendall(b"GET /sleep/1.5 HTTP/1.1\r\n")
+        assert read_response(f)[0] == 200
+        sock.sendall(b"Host: x\r\n\r\n")
+        assert read_response(f)[0] == 200, "B was cut off by the keep-alive close"
+        sock.close()
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_an_unread_answer_is_dropped_by_the_send_timeout_after_the_keep_alive_close(loop: str) -> None:
+    """The keep-alive timeout (0.3 s) passes before the send timeout (1 s) while the client reads
+    nothing of an 8 MiB answer: the connection must still be dropped, not held for good."""
+    from tests.support import ServerThread
+
+    with ServerThread(_timed_app, loop=loop, http=_limited(send_timeout_s=1.0), timeout_keep_alive=0.3) as server:
+        state = server.server.server_state
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(10)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            deadline = time.monotonic() + 30  # (far beyond the 1 s send timeout: a bound, not a guess)
+            while not state.connections and time.monotonic() < deadline:
+                time.sleep(0.01)
+            while state.connections and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not state.connections, "the unread answer is held past the send timeout"

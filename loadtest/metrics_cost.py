@@ -12,7 +12,7 @@ import os
 import statistics
 import sys
 
-from loadtest.overhead import Bench, Contender, HOST, SCENARIOS, free_port
+from loadtest.overhead import HOST, SCENARIOS, Bench, Contender, free_port, parser
 
 VARIANTS = {
     "metrics_on": "metrics: {enabled: true}\nlogging: {access_log: false}\n",
@@ -32,7 +32,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default=",".join(VARIANTS))
     args = ap.parse_args()
-    bench = Bench(argparse.Namespace(taskset=False, peers_venv="/nonexistent", proxy_workers=0, only=[]))
+    defaults = parser().parse_args([])  # (the overhead benchmark's own options, at their defaults)
+    defaults.only = []
+    bench = Bench(defaults)
     res = {}
     try:
         backend = bench.start_backend()

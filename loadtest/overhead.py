@@ -308,7 +308,8 @@ def ensure_wrk() -> None:
     subprocess.run(cmd, shell=True, check=True, stdout=subprocess.DEVNULL)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (loadtest.metrics_cost builds its Bench from their defaults)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=int, default=10, help="seconds per cell (default 10)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")
@@ -326,7 +327,11 @@ def main() -> None:
                     help="fake vLLM behind every contender: fast (raw protocol) or asgi (uvicorn)")
     ap.add_argument("--taskset", action="store_true", help="servers on cpu 1, wrk on cpu 0")
     ap.add_argument("--json", type=Path, help="also write raw and median results here")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     args.only = [n.strip() for n in args.only.split(",") if n.strip()]
     ensure_wrk()
 

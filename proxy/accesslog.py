@@ -9,9 +9,10 @@ keys or headers.
 Cost: with `logging.access_log: false` the request path makes one `is None` test. When on,
 a request that the logger level or the sampling drops costs a level check and a random draw;
 a written line costs a bytes format of its varying fields and a list append (~2 us in all;
-lines are batched into few writes, see LineWriter). Token counts come from a bounded regex search at the `"usage"` key of the body (non-streaming) or of the last
-data chunk (streaming, when the client asked for `stream_options.include_usage`); nothing else
-of the response is looked at.
+lines are batched into few writes, see LineWriter). Token counts come from a bounded regex
+search at the `"usage"` key of the body (non-streaming) or of the last data chunk (streaming,
+when the client asked for `stream_options.include_usage`); nothing else of the response is
+looked at.
 """
 from __future__ import annotations
 
@@ -75,10 +76,9 @@ class LineWriter(logging.Handler):
     (stdout, or a file opened for appending).
 
     Lines are batched into writes ending on a line boundary, of at most PIPE_BUF bytes to a pipe or
-    a terminal, so that lines of several workers sharing one pipe never interleave (a file opened
-    takes 64 KiB at a time: Linux writes each write to a regular file whole, and fewer writes cost
-    less); a batch goes out when it is full or
-    0.1 s after its first line (or at exit). `line()` is the fast path AccessLog uses while this is
+    a terminal, so that lines of several workers sharing one pipe never interleave (a regular file
+    takes 64 KiB at a time: Linux writes each write to it whole, and fewer writes cost less); a
+    batch goes out when it is full or within 0.1 s of its first line (or at exit). `line()` is the fast path AccessLog uses while this is
     the logger's only handler: no LogRecord, no per-line system call."""
 
     BATCH = 4096  # PIPE_BUF on Linux: a write this size to a pipe is atomic

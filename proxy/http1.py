@@ -318,8 +318,8 @@ class Pool:
     routed, not one by one as each is: a replica sharing the proxy's CPU (a co-located server,
     a small host) is woken by the first write and would otherwise preempt the proxy once per
     request, costing a context switch pair and the cold caches after it (measured: 0.93 forced
-    switches a request, 0.78 in passes; +18 % plain throughput at 32 connections, no change at
-    one, loadtest/overhead.py --taskset)."""
+    switches a request, 0.78 in passes; 4-33 % more plain throughput at 32 connections in four
+    interleaved runs, no change at one: loadtest/overhead.py --taskset, docs/BENCHMARKS.md)."""
 
     def __init__(self, keep_alive_s: float, max_body_bytes: Optional[int] = None):
         self.keep_alive_s = keep_alive_s

@@ -176,10 +176,9 @@ class ProxyProtocol(HttpToolsProtocol):
             self._refuse(408, "The request body stalled.", "request_timeout")
             return
         if phase == _REST and self._idle_since and self.loop.time() - self._idle_since > self.timeout_keep_alive:
-            self.transport.close()  # idle past the keep-alive timeout (within a tick of it)
-            # (ticking on: a close waits for the client to read the rest, bounded by the send timeout)
-            self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
-            return
+            # idle past the keep-alive timeout (within a tick of it); the ticks go on, as a close
+            # waits for the client to read the rest (bounded by the send timeout)
+            self.transport.close()
         self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
 
     def _send_stalled(self) -> bool:

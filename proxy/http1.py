@@ -377,20 +377,19 @@ class Pool:
         seconds. A request is written once: if a pooled connection turns out dead after the
         write, that is an error, never a second send (the upstream may have started it: an LLM
         call is not idempotent)."""
+        request = head + body
         conn = self._reuse(key)
         reused = conn is not None
         loop = asyncio.get_running_loop()
         if conn is not None:
             now = loop.time()
             try:
-                response = conn.start(head + body, timeouts.idle, now + timeouts.total)
+                response = conn.start(request, timeouts.idle, now + timeouts.total)
             except UpstreamError:  # nothing was written: a fresh connection may take it
                 conn = None
                 reused = False
         if conn is None:
-            conn = await self._connect(key, timeouts.connect)
-            now = loop.time()
-            response = conn.start(head + body, timeouts.idle, now + timeouts.total)
+            conn, response, now = await self._start_fresh(key, request, timeouts)
         # The head must be complete by `by`: one dripping in byte by byte (or interim responses)
         # does not extend it.
         left = timeouts.first_byte
@@ -402,9 +401,7 @@ class Pool:
                         raise response._error
                     # the pooled connection died before the write: nothing was sent, a fresh one takes it
                     reused = False
-                    conn = await self._connect(key, timeouts.connect)
-                    now = loop.time()
-                    response = conn.start(head + body, timeouts.idle, now + timeouts.total)
+                    conn, response, now = await self._start_fresh(key, request, timeouts)
                     left = timeouts.first_byte
                     by = now + left
                     continue
@@ -416,6 +413,12 @@ class Pool:
             conn.abort()
             raise
         return response
+
+    async def _start_fresh(self, key: tuple, request: bytes, timeouts) -> tuple[_Connection, Response, float]:
+        """A new connection with `request` started on it, and the loop time it started."""
+        conn = await self._connect(key, timeouts.connect)
+        now = asyncio.get_running_loop().time()
+        return conn, conn.start(request, timeouts.idle, now + timeouts.total), now
 
     def close(self) -> None:
         for conns in self._idle.values():

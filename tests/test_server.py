@@ -3,6 +3,7 @@ chunked and large uploads, HTTP/1.0, Expect: 100-continue, a client leaving mid-
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import orjson
@@ -239,6 +240,9 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(servers: Serv
 
 # --- keep-alive and send timeouts on the watchdog (a review's reproductions) --------------------
 
+_SLEEPING = threading.Event()  # set when a /sleep/ request reached the app
+
+
 async def _timed_app(scope, receive, send) -> None:
     """GET /sleep/S answers "ok" after S seconds; GET /big answers 8 MiB."""
     if scope["type"] == "lifespan":
@@ -253,6 +257,7 @@ async def _timed_app(scope, receive, send) -> None:
 
     path = scope["path"]
     if path.startswith("/sleep/"):
+        _SLEEPING.set()
         await asyncio.sleep(float(path.rsplit("/", 1)[1]))
     body = b"x" * (8 << 20) if path == "/big" else b"ok"
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
@@ -275,8 +280,9 @@ def test_a_request_whose_head_began_during_the_previous_answer_is_not_cut_off_by
     with ServerThread(_timed_app, loop=loop, http=_limited(), timeout_keep_alive=0.5) as server:
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
         f = sock.makefile("rb")
+        _SLEEPING.clear()
         sock.sendall(b"GET /sleep/0.3 HTTP/1.1\r\nHost: x\r\n\r\n")
-        time.sleep(0.1)  # (a separate read: B's head begins while A runs; merged, the case is not met but passes)
+        assert _SLEEPING.wait(10)  # A is in the app: B's first bytes come in a read of their own
         sock.sendall(b"GET /sleep/1.5 HTTP/1.1\r\n")
         assert read_response(f)[0] == 200
         sock.sendall(b"Host: x\r\n\r\n")

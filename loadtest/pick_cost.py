@@ -13,6 +13,13 @@ conversations of ~15 KB: most of their blocks hashed and indexed per request). P
 loadtest.routing_decision: least_loaded, prefix_affinity, prefix_affinity+mirror (with the
 shared-state mirror a Redis-backed proxy reads). A run counts the instructions of a process that
 makes `--warmup` picks, then `--picks` more, minus those of one that stops after the warm-up.
+
+`--cold KEYS` measures wall time instead (no valgrind): microseconds per pick when `KEYS` dict
+entries (a comma list, ~60 bytes each) are walked between picks, as the rest of a request cycle and
+the processes sharing the core evict the policy's code and state from the CPU caches. In the
+proxy under load a pick costs what it costs here at 10-20k keys, not what it costs at 0:
+
+    python -m loadtest.pick_cost --cold 0,2000,20000,100000 --policies least_loaded,prefix_affinity
 """
 from __future__ import annotations
 
@@ -75,6 +82,41 @@ def child(policy_name: str, kind: str, replicas: int, warmup: int, picks: int) -
         asyncio.run(run(reqs[warmup:]))
 
 
+def cold(policy_name: str, kind: str, replicas: int, warmup: int, picks: int, keys: int) -> float:
+    """Median microseconds per pick (over batches of 100) with `keys` dict entries walked before each pick."""
+    import statistics
+    import time
+
+    from loadtest.routing_decision import MODEL, fleet, make
+    from proxy.routing.catalog import Route
+
+    policy = make(policy_name, replicas)
+    route = Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(fleet(replicas)))
+    reqs = workload(kind, warmup + picks)
+    shared = getattr(policy, "shared", None)
+    junk = [dict.fromkeys(range(i, i + 50)) for i in range(0, keys, 50)]
+
+    async def run(batch: list) -> list[float]:
+        spent, samples, clock = 0.0, [], time.perf_counter
+        for i, parsed in enumerate(batch, 1):
+            for d in junk:
+                for _ in d:
+                    pass
+            t = clock()
+            await policy.pick(route.backends, parsed, route)
+            spent += clock() - t
+            if shared is not None:
+                shared._ops.clear()
+                shared._pending.clear()
+            if i % 100 == 0:
+                samples.append(spent / 100 * 1e6)
+                spent = 0.0
+        return samples
+
+    asyncio.run(run(reqs[:warmup]))
+    return statistics.median(asyncio.run(run(reqs[warmup:])))
+
+
 def tree(ref: str, tmp: Path) -> Path:
     if ref == ".":
         return ROOT
@@ -105,11 +147,24 @@ def main() -> None:
     ap.add_argument("--replicas", default="1,4", help="comma list of replica counts")
     ap.add_argument("--picks", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=3000)
+    ap.add_argument("--cold", help="comma list of dict entries walked between picks: wall time, not instructions")
     ap.add_argument("--child", nargs=3, metavar=("POLICY", "WORKLOAD", "REPLICAS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         policy, kind, replicas = args.child
         child(policy, kind, int(replicas), args.warmup, args.picks)
+        return
+    if args.cold is not None:
+        sizes = [int(k) for k in args.cold.split(",")]
+        print(f"microseconds per pick (median of batches of 100; {args.picks} picks after {args.warmup}), "
+              "by dict entries walked between picks")
+        print(f"| {'policy':24} | {'workload':8} | {'replicas':8} | " + " | ".join(f"{k:>8}" for k in sizes) + " |")
+        for policy in args.policies.split(","):
+            for kind in args.workloads.split(","):
+                for replicas in args.replicas.split(","):
+                    cells = [cold(policy, kind, int(replicas), args.warmup, args.picks, k) for k in sizes]
+                    print(f"| {policy:24} | {kind:8} | {replicas:>8} | " + " | ".join(f"{c:>8.2f}" for c in cells)
+                          + " |", flush=True)
         return
     if not shutil.which("valgrind"):
         sys.exit("valgrind is missing: apt-get install -y valgrind")

@@ -294,6 +294,11 @@ class AffinityConfig(Strict):
         "bound, the balance guard and the packing repair (proxy/routing/speed.py): 1 gives it 1/k of a share, 0 "
         "turns this off. Needs the replicas' /metrics (metrics.scrape_backends)"
     )
+    speed_balance_epsilon: float = Field(
+        0.1, ge=0, le=10, description="headroom of the balance guard over each replica's share by speed while some "
+        "replica decodes markedly slower (speed_balance): that share is an estimate, and the mean's tight headroom "
+        "(balance_epsilon) then overflowed 3-4x as many requests to replicas without their prompt"
+    )
     continuation_slack: float = Field(
         0.1, ge=0, description="extra relative headroom a conversation's continuation gets on the replica holding it"
     )

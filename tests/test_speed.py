@@ -86,7 +86,9 @@ def test_a_replica_half_as_fast_takes_a_smaller_share_and_the_others_stay_even(s
     fast, slow = weighed[:3], weighed[3]
     part = 1.0 / speed.counted(2.0, strength)  # its part of a fair share: 1/2 fully, 2/3 at half strength
     assert abs(slow / sum(weighed) - part / (3 + part)) <= 0.04, weighed
-    assert max(fast) / (sum(fast) / 3) <= 1.10, weighed
+    # whole tenants (16 of them) on three fast replicas; the guard caps each at its part by speed x
+    # (1 + speed_balance_epsilon 0.1) + 10 per window of 200 a replica: 1.15 of the fast mean
+    assert max(fast) / (sum(fast) / 3) <= 1.16, weighed
     alike = served(0.0)
     assert alike[3] / sum(alike) >= 0.22, alike
 
@@ -110,3 +112,29 @@ def test_the_scrape_finds_the_slow_replica(servers: Servers) -> None:
     assert eventually(slow_is_found, timeout=30, interval=0.1)
     # and operators see it (the gauge follows the next scrape round)
     assert eventually(lambda: (gauge(proxy, "vllm_proxy_backend_load_factor", "gpu-2") or 0) >= 2.0, timeout=10)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_the_balance_guard_caps_by_speed_with_its_own_headroom(slow: bool) -> None:
+    """While some replica is slower, each replica's cap is its part of the mean by speed times
+    (1 + speed_balance_epsilon); on replicas alike the headroom stays balance_epsilon."""
+    from proxy.routing.affinity.balance import Balance
+
+    def cap_reached(speed_epsilon: float) -> int:
+        """The last replica's count in the window when a request to it is first capped."""
+        bs = backends(4)
+        bs[3].load_factor = 2.0 if slow else 1.0
+        Backend.speed_version += 1
+        guard = Balance(100, 0.03, 0.0, 0.35, speed_epsilon=speed_epsilon)
+        for i in range(400):  # a full window (4 x 100)
+            guard.check("m", bs, bs[i % 4], i, (), False, 1.0)
+        for i in range(400):
+            count = guard._routes["m"].counts[bs[3].name]
+            if guard.check("m", bs, bs[3], 1000 + i, (), False, 1.0)[1]:
+                return count
+        raise AssertionError("never capped")
+
+    part = 4 * (1 / speed.counted(2.0, 0.35)) / (3 + 1 / speed.counted(2.0, 0.35))  # the slow one's share
+    for speed_epsilon in (0.03, 0.1):
+        headroom = speed_epsilon if slow else 0.03
+        assert cap_reached(speed_epsilon) == int((1 + headroom) * 100 * (part if slow else 1.0) + 10)

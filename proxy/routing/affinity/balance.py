@@ -6,8 +6,12 @@ hundred requests after the workload changed (a new population placed blind to po
 tenant before its set grew) one replica took 1.2-1.7x the mean. This guard is the last word on
 every decision: over the last `balance_window_requests` x replicas requests (counted over all
 proxies, like every memory of the policy), no replica takes more than
-(1 + balance_epsilon) x mean + 10 of them (its part of the mean by speed, when some replica
-decodes markedly slower: proxy/routing/speed.py). A request whose choice would break that goes to a replica
+(1 + balance_epsilon) x mean + 10 of them. While some replica decodes markedly slower
+(proxy/routing/speed.py) each replica's cap is its part of the mean by speed, with the headroom
+`speed_balance_epsilon` (0.1): that part is an estimate (a scraped ratio rounded to quarters, at
+a strength that trades cache for latency), and at 0.03 the slow replica sat at its cap, which
+overflowed 3-4x as many requests to replicas without their prompt (loadtest.affinity_replay,
+heterogeneous fleet: 88 overflows against 24 on replicas alike). A request whose choice would break that goes to a replica
 of its tenant's set under the cap, else to the replica this tenant overflowed to last (so its
 prompt is cached in one more place, not scattered; first where the prefix index says its prompt
 is), else to the replica with the fewest. A tenant capped twice whose traffic is a large part
@@ -75,8 +79,10 @@ class Balance:
     """The guard, with one window per route (each route has its own replicas)."""
 
     def __init__(self, per_replica: float, epsilon: float, continuation_slack: float, speed_balance: float = 0.0,
-                 shared: "SharedState | None" = None, wall: Callable[[], float] = time.time) -> None:
+                 shared: "SharedState | None" = None, wall: Callable[[], float] = time.time,
+                 speed_epsilon: float | None = None) -> None:
         self.per_replica = per_replica
+        self.speed_epsilon = epsilon if speed_epsilon is None else speed_epsilon  # while some replica is slower
         self.shared = shared  # the other proxies' windows (`remote_guard`), published by its sync
         self.wall = wall
         self.speed_balance = speed_balance
@@ -105,20 +111,21 @@ class Balance:
         window.size = size
         shared = self.shared
         others = shared.remote_guard.get(window.key) if shared is not None and shared.remote_guard else None
-        if others is None:
-            # each proxy holds its own part to the cap: their slacks add up to one
-            slack = _SLACK / proxies
-            fair = (1.0 + self.epsilon + window.filling * (1.0 - filled / size)) * filled / n
-        else:  # the whole fleet's window: this proxy's decisions now, the others' as last published
-            slack = _SLACK  # (a fresh start's looseness only for this proxy's own part)
-            fair = ((1.0 + self.epsilon) * (filled + others[0]) + window.filling * (1.0 - filled / size) * filled) / n
-            remote = others[1]
-        limit = fair + slack
         shares = None
+        epsilon = self.epsilon
         if Backend.speed_version and self.speed_balance:
             shares = self._shares(window, candidates)
             if shares:
-                limit = fair * shares[chosen.name] + slack
+                epsilon = self.speed_epsilon
+        if others is None:
+            # each proxy holds its own part to the cap: their slacks add up to one
+            slack = _SLACK / proxies
+            fair = (1.0 + epsilon + window.filling * (1.0 - filled / size)) * filled / n
+        else:  # the whole fleet's window: this proxy's decisions now, the others' as last published
+            slack = _SLACK  # (a fresh start's looseness only for this proxy's own part)
+            fair = ((1.0 + epsilon) * (filled + others[0]) + window.filling * (1.0 - filled / size) * filled) / n
+            remote = others[1]
+        limit = fair * shares[chosen.name] + slack if shares else fair + slack
         count = counts[chosen.name]
         if others is not None:
             count += remote.get(chosen.name, 0)

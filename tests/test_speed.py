@@ -9,6 +9,7 @@ import pytest
 from proxy.config import AffinityConfig
 from proxy.routing import speed
 from proxy.routing.affinity import PrefixAffinity
+from proxy.routing.affinity.balance import Balance
 from proxy.routing.backends import Backend
 from proxy.routing.clock import ManualClock
 from proxy.scrape import Reading, _Previous, decode_time, parse_vllm_metrics
@@ -118,8 +119,6 @@ def test_the_scrape_finds_the_slow_replica(servers: Servers) -> None:
 def test_the_balance_guard_caps_by_speed_with_its_own_headroom(slow: bool) -> None:
     """While some replica is slower, each replica's cap is its part of the mean by speed times
     (1 + speed_balance_epsilon); on replicas alike the headroom stays balance_epsilon."""
-    from proxy.routing.affinity.balance import Balance
-
     def cap_reached(speed_epsilon: float) -> int:
         """The last replica's count in the window when a request to it is first capped."""
         bs = backends(4)
@@ -134,7 +133,9 @@ def test_the_balance_guard_caps_by_speed_with_its_own_headroom(slow: bool) -> No
                 return count
         raise AssertionError("never capped")
 
-    part = 4 * (1 / speed.counted(2.0, 0.35)) / (3 + 1 / speed.counted(2.0, 0.35))  # the slow one's share
+    bs = backends(4)
+    bs[3].load_factor = 2.0
+    part = speed.shares(bs, 0.35)[3]  # the slow one's share by speed, times the replicas
     for speed_epsilon in (0.03, 0.1):
         headroom = speed_epsilon if slow else 0.03
         assert cap_reached(speed_epsilon) == int((1 + headroom) * 100 * (part if slow else 1.0) + 10)

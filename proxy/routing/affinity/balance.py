@@ -12,10 +12,11 @@ proxies, like every memory of the policy), no replica takes more than
 a strength that trades cache for latency), and at 0.03 the slow replica sat at its cap, which
 overflowed 3-4x as many requests to replicas without their prompt (loadtest.affinity_replay,
 heterogeneous fleet: 88 overflows against 24 on replicas alike). A request whose choice would
-break that goes to a replica of its tenant's set under the cap, else to the replica this tenant overflowed to last (so its
-prompt is cached in one more place, not scattered; first where the prefix index says its prompt
-is), else to the replica with the fewest. A tenant capped twice whose traffic is a large part
-of its replicas grows by the overflow replica (`settled`, placement.py `overflowed`).
+break that goes to a replica of its tenant's set under the cap, else to the replica this tenant
+overflowed to last (so its prompt is cached in one more place, not scattered; first where the
+prefix index says its prompt is), else to the replica with the fewest. A tenant capped twice
+whose traffic is a large part of its replicas grows by the overflow replica (`settled`,
+placement.py `overflowed`).
 A continuation is allowed `continuation_slack` more (its own turns are cached where it goes).
 
 With several proxies the window is the fleet's: this proxy's decisions as they happen plus the

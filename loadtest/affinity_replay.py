@@ -31,6 +31,9 @@ from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
 
 
+_COLD = 800  # uncached tokens that make a request a cold prompt (the workloads' system prompts are longer)
+
+
 class SimulatedClock:
     """Stands in for the `time` module the policy reads (time() and monotonic()): its `timer`."""
 
@@ -45,7 +48,7 @@ class SimulatedClock:
 
 
 def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concurrency: int,
-           slow: int = 0, slowdown: float = 2.0, known_after: int = 200) -> dict:
+           slow: int = 0, slowdown: float = 2.0, known_after: int = 200, trace: list | None = None) -> dict:
     args = affinity.parse_args(["--shape", shape, "--seed", str(seed), "--requests", str(requests)])
     workload, sizing = affinity.build_shape(shape, args)
     backends = []
@@ -58,6 +61,7 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
     # (no exchange runs here to release a coalescing leader: requests are routed, never sent)
     policy = PrefixAffinity(AffinityConfig(**{"coalesce_wait_s": 0.0, **knobs}), timer=clock)
     served: list[int] = []
+    reasons: list[str] = []
     in_flight: deque[Backend] = deque()
 
     async def route_all() -> None:
@@ -71,7 +75,8 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
             if len(in_flight) >= concurrency:
                 in_flight.popleft().in_flight -= 1
             request = parse_request(CHAT, orjson.dumps(turn.body(workload.spec)))
-            backend, _ = await policy.pick(backends, request, route)
+            backend, reason = await policy.pick(backends, request, route)
+            reasons.append(reason)
             await policy.maintain()  # the packing repair runs to completion where it starts
             backend.in_flight += 1
             in_flight.append(backend)
@@ -99,8 +104,16 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
 
     n = len(bodies)
     counts = Counter(served)
+    if trace is not None:  # (for a diagnosis: each request's turn, replica and (hit, queried) tokens)
+        trace.extend(zip(workload.turns, served, mine, reasons))
+    # the prefill each request needs where it went, in tokens of a fast replica's time: what the
+    # TTFT tail of a heterogeneous fleet is made of (a cold prompt on the slow replica), queues aside
+    factor = [slowdown if r >= len(backends) - slow else 1.0 for r in range(len(backends))]
+    work = sorted((q - h) * factor[served[i]] for i, (h, q) in enumerate(mine))
+    cold_slow = sum(1 for i, (h, q) in enumerate(mine) if factor[served[i]] > 1 and q - h > _COLD)
     return {"seed": seed, "share": share(0, n), "quarters": [share(k * n // 4, (k + 1) * n // 4) for k in range(4)],
-            "max_over_mean": max(counts.values()) * len(backends) / n}
+            "max_over_mean": max(counts.values()) * len(backends) / n,
+            "prefill_p99": work[min(n - 1, int(0.99 * n))], "cold_slow": cold_slow}
 
 
 def seeds(text: str) -> list[int]:
@@ -127,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                    args.slow_replicas, args.slowdown, args.known_after)
         results.append(r)
         print(f"seed {seed}: share {r['share']:.3f}, by quarter {' '.join(f'{q:.3f}' for q in r['quarters'])}, "
-              f"max/mean {r['max_over_mean']:.2f}", flush=True)
+              f"max/mean {r['max_over_mean']:.2f}, prefill p99 {r['prefill_p99']:.0f} tok"
+              + (f", cold on slow {r['cold_slow']}" if args.slow_replicas else ""), flush=True)
     shares = [r["share"] for r in results]
     print(f"{args.shape}: mean share {statistics.mean(shares):.4f}, min {min(shares):.3f}, "
           f"worst max/mean {max(r['max_over_mean'] for r in results):.2f} over {len(results)} seeds")

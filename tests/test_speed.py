@@ -15,7 +15,7 @@ from proxy.routing.clock import ManualClock
 from proxy.scrape import Reading, _Previous, decode_time, parse_vllm_metrics
 from tests.conftest import Servers, eventually
 from tests.test_metrics import gauge
-from tests.test_affinity import backends, chats
+from tests.test_affinity import backends, chat_request, chats, pick, tenant
 
 
 def exposition(itl_sum: float, itl_count: int) -> bytes:
@@ -139,3 +139,49 @@ def test_the_balance_guard_caps_by_speed_with_its_own_headroom(slow: bool) -> No
     for speed_epsilon in (0.03, 0.1):
         headroom = speed_epsilon if slow else 0.03
         assert cap_reached(speed_epsilon) == int((1 + headroom) * 100 * (part if slow else 1.0) + 10)
+
+
+def test_a_new_tenant_goes_to_a_faster_replica_while_one_fits() -> None:
+    """Its first request computes its prompt wherever it goes: on the slower replica at twice the
+    time. (On replicas alike the same tenants do land there.)"""
+    def placed(slow: float) -> Counter:
+        bs = backends(4)
+        bs[3].load_factor = slow
+        Backend.speed_version += 1
+        clock = ManualClock()
+        policy = PrefixAffinity(AffinityConfig(), timer=clock)
+        out = Counter()
+        for i in range(12):
+            out[pick(policy, bs, chat_request(f"tenant n{i} " * 40, "hi"))[0]] += 1
+            clock.advance(0.01)
+        return out
+
+    assert placed(1.0)["gpu-3"] >= 2
+    assert placed(2.0)["gpu-3"] == 0
+
+
+def test_a_tenant_whose_prompt_left_the_slower_replica_moves_to_a_faster_one() -> None:
+    """A slower replica's index entries are sized like its scraped cache, so the proxy knows when a
+    tenant's prompt was evicted there; its next request, a miss wherever it goes, goes to a faster
+    replica and the tenant with it. While the prompt is still cached it stays."""
+    bs = backends(4)
+    for b in bs:
+        b.cache_tokens = 1120  # 14 index entries of 256 characters (at 3.2 characters a token)
+    clock = ManualClock()
+    policy = PrefixAffinity(AffinityConfig(), timer=clock)
+    home: dict[int, str] = {}
+    for i in range(12):  # placed while the replicas look alike
+        home[i] = pick(policy, bs, chat_request(tenant(i), "hi"))[0]
+        clock.advance(0.01)
+    a, b = [i for i in home if home[i] == "gpu-3"][:2]
+    bs[3].load_factor = 2.0  # the scrape found it slower
+    Backend.speed_version += 1
+    assert pick(policy, bs, chat_request(tenant(a), "hello"))[0] == "gpu-3"  # its prompt is cached there
+    clock.advance(0.01)
+    for k in range(3):  # b's long conversations fill the slower replica's cache
+        assert pick(policy, bs, chat_request(tenant(b), f"question {k} " * 180))[0] == "gpu-3"
+        clock.advance(0.01)
+    moved, _ = pick(policy, bs, chat_request(tenant(a), "hello again"))
+    assert moved != "gpu-3"
+    clock.advance(0.01)
+    assert pick(policy, bs, chat_request(tenant(a), "and again"))[0] == moved  # its set moved with it

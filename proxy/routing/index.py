@@ -24,9 +24,10 @@ class PrefixIndex:
                 return i + 1, found
         return 0, None
 
-    def record(self, chain: Sequence[int], backend: str, now: float, shared_ttl: float) -> list[int]:
-        """Remember that `backend` now holds `chain`; returns the hashes whose shared (Redis)
-        entry is missing or older than half its TTL, so writes are deduplicated."""
+    def record(self, chain: Sequence[int], backend: str, now: float, shared_ttl: float, limit: int = 0) -> list[int]:
+        """Remember that `backend` now holds `chain`, keeping at most `limit` entries for it when
+        that is below the index's capacity; returns the hashes whose shared (Redis) entry is
+        missing or older than half its TTL, so writes are deduplicated."""
         lru = self._lru.get(backend)
         if lru is None:
             lru = self._lru[backend] = OrderedDict()
@@ -48,7 +49,8 @@ class PrefixIndex:
             owner[h] = backend
             lru[h] = now
             stale.append(h)
-        while len(lru) > self.capacity:
+        cap = limit if 0 < limit < self.capacity else self.capacity
+        while len(lru) > cap:
             h, _ = lru.popitem(last=False)
             if owner.get(h) == backend:
                 del owner[h]

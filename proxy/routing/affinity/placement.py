@@ -70,6 +70,10 @@ class Placement:
             i = where.get(name)
             if i is not None:
                 here.append(i)
+        if matched < pin_blocks and len(here) == 1 and candidates[here[0]].load_factor > 1.0:
+            moved = self._off_slower(candidates, rates, flights, cap, qcap, pin, members, candidates[here[0]], now)
+            if moved is not None:
+                return moved
         # among its replicas, the one with the least traffic now (the smoothed load lags behind a
         # set that just changed, and would send it all to the newest member for a while)
         now_load = self.load.recent_loads(candidates) if len(here) > 1 else rates
@@ -138,6 +142,23 @@ class Placement:
         log.info("tenant %016x %s: %s -> %s", pin, "returns" if self.returning else "lost a replica",
                  ",".join(members), ",".join(keep))
         return self._propose(pin, members, keep, chosen, "pinned")
+
+    def _off_slower(
+        self, candidates: Sequence[Backend], rates: list[float], flights: list[int], cap: float, qcap: int,
+        pin: int, members: tuple[str, ...], slow: Backend, now: float,
+    ) -> tuple[Backend, str] | None:
+        """A tenant on a slower replica whose prompt no replica holds any more (evicted, as the
+        index sized like that cache says) moves to a faster one: the prefill it needs anyway
+        costs a fraction there, and a move at a miss costs no second one. Such cold prompts on
+        the slow replica were the TTFT p99 of the heterogeneous scenario (3.5-4 % of all
+        requests, each twice the prefill); the slow replica keeps the tenants its cache holds,
+        and the packing repair may not move this one back for cool_down_requests."""
+        slower = [b.name for b in candidates if b.load_factor >= slow.load_factor]
+        chosen = self._best(candidates, rates, flights, cap, qcap, pin, slower)
+        if chosen.load_factor >= slow.load_factor:
+            return None
+        self.table.came_from[pin] = (slow.name, now)
+        return self._propose(pin, members, (chosen.name,), chosen, "pinned")
 
     def _propose(self, pin: int, old: tuple[str, ...], new: tuple[str, ...], chosen: Backend,
                  reason: str) -> tuple[Backend, str]:

@@ -28,6 +28,11 @@ from proxy.shared import SharedState
 log = logging.getLogger("vllm_proxy.affinity")
 
 _COMPLETIONS = "/v1/completions"
+# cache characters a slower replica's index entries stand for: 4 characters a token, x 0.8, as
+# the cache also holds the replies and the tails past max_blocks that the index does not see
+# (replayed on the heterogeneous weak shape, seeds 0-5: at x 0.9 the slow replica still evicted 6-22
+# indexed prompts a run, at x 0.8 1-5)
+_INDEXED_CHARS_PER_TOKEN = 3.2
 
 
 class PrefixAffinity:
@@ -142,7 +147,12 @@ class PrefixAffinity:
         if len(tenants.rate.scaled) > self.table.forget_at:
             self.table.forget(now)
         if chain:
-            stale = self.index.record(chain, name, self._monotonic(), cfg.shared_ttl_s)
+            # a slower replica's entries are sized like its scraped cache, so that the index knows
+            # when a tenant's prompt left it (proxy/routing/affinity/placement.py: `_off_slower`)
+            limit = 0
+            if chosen.load_factor > 1.0 and chosen.cache_tokens:
+                limit = int(chosen.cache_tokens * _INDEXED_CHARS_PER_TOKEN) // cfg.block_chars
+            stale = self.index.record(chain, name, self._monotonic(), cfg.shared_ttl_s, limit)
             if shared is not None and stale:
                 shared.remember(stale, name)
             coalescer = self.coalescer

@@ -30,7 +30,8 @@ def ranked(
     cap: float, qcap: int, pin: int, exclude: Sequence[str], grow: bool = False,
 ) -> list[tuple[tuple, int, Backend]]:
     """Every candidate as (sort key, tenants it holds, replica), best first: outside `exclude`,
-    under the bound, with cache room, then least (load share + tenant share)."""
+    under the bound, (placed anew) not slower, with cache room, then least (load share + tenant
+    share)."""
     n = len(candidates)
     counts = table.counts(load.clock)
     # scored by where traffic goes now (a population that changed left the smoothed load behind)
@@ -49,8 +50,11 @@ def ranked(
         fits = rates[i] + 1 <= cap and flights[i] + 1 <= qcap
         count = counts.get(backend.name, 0)
         score = (recent[i] + 1) / mean_rate + weight * (count + 1) / mean_count
-        k = (backend.name in exclude, not fits, count + 1 > table.capacity(backend, slots), round(score, 6),
-             -rendezvous_weight(pin, backend.salt))
+        # a tenant placed anew goes to a faster replica while one fits: its first request computes
+        # its prompt wherever it goes, at a fraction of the time there (the packing repair moves
+        # settled tenants onto a slower replica, up to its share by speed)
+        k = (backend.name in exclude, not fits, not grow and backend.load_factor > 1.0,
+             count + 1 > table.capacity(backend, slots), round(score, 6), -rendezvous_weight(pin, backend.salt))
         out.append((k, count, backend))
     out.sort(key=lambda r: r[0])
     return out

@@ -158,6 +158,7 @@ class Placement:
         if chosen.load_factor >= slow.load_factor:
             return None
         self.table.came_from[pin] = (slow.name, now)
+        log.info("tenant %016x: its prompt left the slower replica %s; it moves to %s", pin, slow.name, chosen.name)
         return self._propose(pin, members, (chosen.name,), chosen, "pinned")
 
     def _propose(self, pin: int, old: tuple[str, ...], new: tuple[str, ...], chosen: Backend,

@@ -10,6 +10,7 @@ from proxy.config import AffinityConfig
 from proxy.routing import speed
 from proxy.routing.affinity import PrefixAffinity
 from proxy.routing.affinity.balance import Balance
+from proxy.routing.affinity.repair import slower_held
 from proxy.routing.backends import Backend
 from proxy.routing.clock import ManualClock
 from proxy.scrape import Reading, _Previous, decode_time, parse_vllm_metrics
@@ -185,3 +186,18 @@ def test_a_tenant_whose_prompt_left_the_slower_replica_moves_to_a_faster_one() -
     assert moved != "gpu-3"
     clock.advance(0.01)
     assert pick(policy, bs, chat_request(tenant(a), "and again"))[0] == moved  # its set moved with it
+
+
+def test_a_slower_replica_holds_fewer_prompts_in_the_packing_and_the_others_take_the_rest() -> None:
+    """Its fair part of the tenants' prompts is at most 0.65 of what its cache keeps, so that the
+    repair fills its share of the traffic with hotter tenants, whose prompts stay cached there."""
+    bs = backends(4)
+    keeps = {b.name: 15.0 for b in bs}
+    fair, sizes = [20.0] * 4, [1.0] * 4
+    assert slower_held(fair, sizes, bs, lambda b, default: keeps[b.name]) == fair  # replicas alike
+    bs[3].load_factor = 2.0
+    held = slower_held(fair, sizes, bs, lambda b, default: keeps[b.name])
+    assert held[3] == pytest.approx(0.65 * 15.0)
+    assert held[:3] == pytest.approx([20.0 + (20.0 - 0.65 * 15.0) / 3] * 3) and sum(held) == pytest.approx(80.0)
+    keeps["gpu-3"] = 40.0  # a cache that keeps them all: its fair part stays
+    assert slower_held(fair, sizes, bs, lambda b, default: keeps[b.name]) == fair

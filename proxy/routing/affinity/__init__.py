@@ -71,6 +71,15 @@ load and tenants at first, falling linearly to its own over load_window_requests
 over the bound at once (which made every tenant spill onto the cold cache); placement and the
 packing repair (brought forward by the change) fill it.
 
+**Slower replicas.** While some replica decodes markedly slower (proxy/routing/speed.py) it
+takes its share by speed in the bound, the balance guard and the packing repair, and as a cold
+prompt costs it k times the prefill, the TTFT tail of such a fleet is made of cold prompts there.
+So a tenant placed anew goes to a faster replica while one fits (its first request computes its
+prompt wherever it goes); a tenant whose prompt the slower replica evicted (its index entries are
+sized like its scraped cache) moves to a faster one at that miss; and the packing repair gives the
+slower replica fewer prompts than its cache keeps, so it fills its share with hotter tenants,
+whose prompts stay cached.
+
 Modules, one job each: `store` (the tenant table's storage: local, or the Redis mirror of
 proxy/shared.py), `table` (the table and what is remembered per tenant), `counts` (decayed counts
 on the request clock), `load` (the request clock and the per-replica load estimate), `tenants`

@@ -28,11 +28,12 @@ from proxy.shared import SharedState
 log = logging.getLogger("vllm_proxy.affinity")
 
 _COMPLETIONS = "/v1/completions"
-# cache characters a slower replica's index entries stand for: 4 characters a token, x 0.8, as
-# the cache also holds the replies and the tails past max_blocks that the index does not see
-# (replayed on the heterogeneous weak shape, seeds 0-5: at x 0.9 the slow replica still evicted 6-22
-# indexed prompts a run, at x 0.8 1-5)
-_INDEXED_CHARS_PER_TOKEN = 3.2
+# cache characters a slower replica's index entries stand for: 4 characters a token, x 0.9, as
+# the cache also holds the replies and the tails past max_blocks that the index does not see.
+# Replayed on the heterogeneous weak shape (seeds 0-15, with the packing's `slower_held`): x 0.9
+# and x 0.8 left as many cold prompts on the slow replica (~28 a run), x 0.9 kept a little more of
+# the pooled bound (0.963 against 0.960 over seeds 0-7); x 1 missed most evictions.
+_INDEXED_CHARS_PER_TOKEN = 3.6
 
 
 class PrefixAffinity:

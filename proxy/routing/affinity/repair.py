@@ -30,17 +30,17 @@ _SETTLED = 12.0  # requests of a tenant (decayed, over all proxies) before the r
 _SLOWER_HELD = 0.65  # most prompts a slower replica's fair part holds, in parts of what its cache keeps
 
 
-def _slower_held(fair: list[float], sizes: list[float], candidates: Sequence[Backend],
-                 table: TenantTable) -> list[float]:
+def slower_held(fair: list[float], sizes: list[float], candidates: Sequence[Backend],
+                capacity: Callable[[Backend, float], float]) -> list[float]:
     """The fair parts with a slower replica's at most _SLOWER_HELD of the prompts its cache keeps
     (`TenantTable.capacity`), the rest over the others by size. A prompt evicted there between its
     tenant's requests comes back as a cold prefill at k times the time, the TTFT p99 of the
     heterogeneous scenario: its light tenants went cold, moved off at that miss (placement's
     `_off_slower`) and the repair refilled it with others, ~15 a run. Holding fewer, the load term
-    fills it with hotter tenants, whose prompts stay cached. Replayed over seeds 0-7 (weak shape):
-    cold prompts on the slow replica 35 -> 23 a run, the pooled-bound share 0.965 -> 0.960; at 0.5,
-    18-26 and 0.956."""
-    held = [min(f, _SLOWER_HELD * table.capacity(b, f)) if b.load_factor > 1.0 else f
+    fills it with hotter tenants, whose prompts stay cached. Replayed over seeds 0-7 of the weak
+    shape (`loadtest.affinity_replay --slow-replicas 1`), means: cold prompts on the slow replica
+    36 -> 25 a run, the pooled-bound share 0.966 -> 0.960; at 0.5, 22 and 0.956 (worst 0.950)."""
+    held = [min(f, _SLOWER_HELD * capacity(b, f)) if b.load_factor > 1.0 else f
             for f, b in zip(fair, candidates)]
     spare = sum(fair) - sum(held)
     rest = sum(size for size, b in zip(sizes, candidates) if b.load_factor <= 1.0)
@@ -165,7 +165,7 @@ class Repair:
         whole = sum(sizes)
         fair = [sum(counts) * size / whole for size in sizes]
         if speed:
-            fair = _slower_held(fair, sizes, candidates, table)
+            fair = slower_held(fair, sizes, candidates, table.capacity)
         pressure = [min(1.0, fair[i] / max(table.capacity(b, fair[i]), 1e-9)) for i, b in enumerate(candidates)]
         packing = Packing(fair, pressure, (1.0 + cfg.epsilon / 2) / n, flex, speed)
         undo = now - cfg.cool_down_requests

@@ -37,9 +37,9 @@ def slower_held(fair: list[float], sizes: list[float], candidates: Sequence[Back
     tenant's requests comes back as a cold prefill at k times the time, the TTFT p99 of the
     heterogeneous scenario: its light tenants went cold, moved off at that miss (placement's
     `_off_slower`) and the repair refilled it with others, ~15 a run. Holding fewer, the load term
-    fills it with hotter tenants, whose prompts stay cached. Replayed over seeds 0-7 of the weak
+    fills it with hotter tenants, whose prompts stay cached. Replayed over seeds 0-15 of the weak
     shape (`loadtest.affinity_replay --slow-replicas 1`), means: cold prompts on the slow replica
-    36 -> 25 a run, the pooled-bound share 0.966 -> 0.960; at 0.5, 22 and 0.956 (worst 0.950)."""
+    38 -> 28 a run, the pooled-bound share 0.965 -> 0.963; at 0.5, 28 and 0.956 (worst 0.941)."""
     held = [min(f, _SLOWER_HELD * capacity(b, f)) if b.load_factor > 1.0 else f
             for f, b in zip(fair, candidates)]
     spare = sum(fair) - sum(held)

@@ -48,7 +48,7 @@ class SimulatedClock:
 
 
 def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concurrency: int,
-           slow: int = 0, slowdown: float = 2.0, known_after: int = 200, trace: list | None = None) -> dict:
+           slow: int = 0, slowdown: float = 2.0, known_after: int = 200) -> dict:
     args = affinity.parse_args(["--shape", shape, "--seed", str(seed), "--requests", str(requests)])
     workload, sizing = affinity.build_shape(shape, args)
     backends = []
@@ -61,7 +61,6 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
     # (no exchange runs here to release a coalescing leader: requests are routed, never sent)
     policy = PrefixAffinity(AffinityConfig(**{"coalesce_wait_s": 0.0, **knobs}), timer=clock)
     served: list[int] = []
-    reasons: list[str] = []
     in_flight: deque[Backend] = deque()
 
     async def route_all() -> None:
@@ -75,8 +74,7 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
             if len(in_flight) >= concurrency:
                 in_flight.popleft().in_flight -= 1
             request = parse_request(CHAT, orjson.dumps(turn.body(workload.spec)))
-            backend, reason = await policy.pick(backends, request, route)
-            reasons.append(reason)
+            backend, _ = await policy.pick(backends, request, route)
             await policy.maintain()  # the packing repair runs to completion where it starts
             backend.in_flight += 1
             in_flight.append(backend)
@@ -104,8 +102,6 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
 
     n = len(bodies)
     counts = Counter(served)
-    if trace is not None:  # (for a diagnosis: each request's turn, replica and (hit, queried) tokens)
-        trace.extend(zip(workload.turns, served, mine, reasons))
     # the prefill each request needs where it went, in tokens of a fast replica's time: what the
     # TTFT tail of a heterogeneous fleet is made of (a cold prompt on the slow replica), queues aside
     factor = [slowdown if r >= len(backends) - slow else 1.0 for r in range(len(backends))]

@@ -167,7 +167,7 @@ def test_a_tenant_whose_prompt_left_the_slower_replica_moves_to_a_faster_one() -
     replica and the tenant with it. While the prompt is still cached it stays."""
     bs = backends(4)
     for b in bs:
-        b.cache_tokens = 1120  # 14 index entries of 256 characters (at 3.2 characters a token)
+        b.cache_tokens = 1120  # 15 index entries of 256 characters, at 0.9 x 4 characters a token
     clock = ManualClock()
     policy = PrefixAffinity(AffinityConfig(), timer=clock)
     home: dict[int, str] = {}

@@ -21,19 +21,19 @@ from proxy.routing.affinity.load import LoadView
 from proxy.routing.affinity.placement import Placement
 from proxy.routing.affinity.repair import Repair
 from proxy.routing.affinity.store import LocalStore, SharedStore, TenantStore
-from proxy.routing.affinity.table import TenantTable
+from proxy.routing.affinity.table import CHARS_PER_TOKEN, TenantTable
 from proxy.routing.affinity.tenants import TenantStats
 from proxy.shared import SharedState
 
 log = logging.getLogger("vllm_proxy.affinity")
 
 _COMPLETIONS = "/v1/completions"
-# cache characters a slower replica's index entries stand for: 4 characters a token, x 0.9, as
-# the cache also holds the replies and the tails past max_blocks that the index does not see.
-# Replayed on the heterogeneous weak shape (seeds 0-15, with the packing's `slower_held`): x 0.9
-# and x 0.8 left as many cold prompts on the slow replica (~28 a run), x 0.9 kept a little more of
-# the pooled bound (0.963 against 0.960 over seeds 0-7); at x 1 a quarter of the evictions went unseen.
-_INDEXED_CHARS_PER_TOKEN = 3.6
+# tenths of a slower replica's cache (in characters, CHARS_PER_TOKEN a token) its index entries
+# stand for: the cache also holds the replies and the tails past max_blocks that the index does
+# not see. Replayed on the heterogeneous weak shape (seeds 0-15, with the packing's `slower_held`):
+# 9 and 8 left as many cold prompts on the slow replica (~28 a run), 9 kept a little more of the
+# pooled bound (0.963 against 0.960 over seeds 0-7); at 10 a quarter of the evictions went unseen.
+_INDEXED_TENTHS = 9
 
 
 class PrefixAffinity:
@@ -152,7 +152,7 @@ class PrefixAffinity:
             # when a tenant's prompt left it (proxy/routing/affinity/placement.py: `_off_slower`)
             limit = 0
             if chosen.load_factor > 1.0 and chosen.cache_tokens:
-                limit = int(chosen.cache_tokens * _INDEXED_CHARS_PER_TOKEN) // cfg.block_chars
+                limit = chosen.cache_tokens * CHARS_PER_TOKEN * _INDEXED_TENTHS // (10 * cfg.block_chars)
             stale = self.index.record(chain, name, self._monotonic(), cfg.shared_ttl_s, limit)
             if shared is not None and stale:
                 shared.remember(stale, name)

@@ -11,7 +11,7 @@ from proxy.routing.backends import Backend
 from proxy.routing.affinity.store import TenantStore
 from proxy.routing.affinity.tenants import TenantStats
 
-_CHARS_PER_TOKEN = 4  # to size a system prompt (pin blocks x block_chars) in cache tokens
+CHARS_PER_TOKEN = 4  # to size a system prompt (pin blocks x block_chars) in cache tokens
 
 
 class TenantTable:
@@ -58,7 +58,7 @@ class TenantTable:
         """Tenant prompts the replica's cache keeps: `cache_fill` of its size over the mean system
         prompt, once scraped; else `default`."""
         if backend.cache_tokens and self.prompt_chars:
-            return self.config.cache_fill * backend.cache_tokens * _CHARS_PER_TOKEN / self.prompt_chars
+            return self.config.cache_fill * backend.cache_tokens * CHARS_PER_TOKEN / self.prompt_chars
         return default
 
     def counts(self, now: float) -> dict[str, int]:

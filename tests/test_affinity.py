@@ -770,6 +770,37 @@ def test_share_floor_bounds_both_estimates() -> None:
     assert tenants.share_floor(pins[0], now) > 0.0  # (a bound that is always 0 would prove nothing)
 
 
+def test_near_its_cap_a_new_conversation_goes_where_its_prompt_is_cached_and_others_stay() -> None:
+    """Within two requests of a replica's cap, a new conversation whose whole prompt the index
+    places on a replica well under its cap goes there (no cold prompt, no overflow later); one
+    cached nowhere else, a continuation, or one whose cached replica has little room stays."""
+    from proxy.routing.affinity.balance import Balance
+
+    bs = backends(4)
+    cap = int(1.03 * 200 + 10)  # of the last 800 requests (a full window, all alike)
+
+    def near(cached_count: int) -> Balance:
+        """A guard whose window has gpu-0 two requests under its cap and gpu-1 at `cached_count`."""
+        guard = Balance(200.0, 0.03, 0.1)
+        rest = 800 - (cap - 2) - cached_count
+        counts = [cap - 2, cached_count, rest - rest // 2, rest // 2]
+        # interleaved evenly, so that no replica meets the cap while the window fills
+        slots = sorted(((i + 0.5) / c, j) for j, c in enumerate(counts) for i in range(c))
+        for k, (_, j) in enumerate(slots):
+            assert guard.check(MODEL, bs, bs[j], 5000 + k, (), False, 1.0) == (bs[j], False)
+        return guard
+
+    guard = near(190)
+    assert guard.check(MODEL, bs, bs[0], 1, ("gpu-0",), False, 1.0, cached="gpu-1") == (bs[1], True)
+    assert guard.check(MODEL, bs, bs[0], 2, ("gpu-0",), False, 1.0, cached=None) == (bs[0], False)
+    assert near(190).check(MODEL, bs, bs[0], 3, ("gpu-0",), True, 1.0, cached="gpu-1") == (bs[0], False)
+    assert near(cap - 15).check(MODEL, bs, bs[0], 4, ("gpu-0",), False, 1.0, cached="gpu-1") == (bs[0], False)
+    far = Balance(200.0, 0.03, 0.1)  # well under its cap: the placement's choice stands
+    for k in range(800):
+        far.check(MODEL, bs, bs[k % 4], 5000 + k, (), False, 1.0)
+    assert far.check(MODEL, bs, bs[0], 5, ("gpu-0",), False, 1.0, cached="gpu-1") == (bs[0], False)
+
+
 def test_a_tenant_the_guard_caps_twice_grows_by_its_overflow_replica_if_its_traffic_is_large() -> None:
     """The guard overflowing a tenant's requests one at a time scatters its prompt; a tenant capped
     a second time (its traffic, not chance) whose share is a large part of its replicas grows its

@@ -140,7 +140,8 @@ class Balance:
         if others is not None:
             count += remote.get(chosen.name, 0)
         capped = count + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0)
-        if capped or (cached is not None and count + 1 > limit - _NEAR and not continuation):
+        if capped or (cached is not None and cached != chosen.name and count + 1 > limit - _NEAR
+                      and not continuation):
             if others is not None:
                 counts = {name: c + remote.get(name, 0) for name, c in counts.items()}
             if capped:
@@ -210,24 +211,16 @@ class Balance:
         the prefix index says its whole prompt is, if that replica is well under its own cap: the
         cap then meets fewer requests whose prompt is cached nowhere else, each a cold prompt where
         it overflows (the guard's main cost: 29-60 in 2000 requests of the weak shape)."""
-        for b in candidates:
-            if b.name == cached and b is not chosen:
-                room = (fair * shares[b.name] if shares else fair) + slack - counts[b.name]
-                if room > _NEAR_ROOM:
-                    window.again = None  # (not an overflow: no growth from it)
-                    return b, True
-                break
+        there = next((b for b in candidates if b.name == cached), None)
+        if there is not None and _room(counts, fair, slack, shares)(there) > _NEAR_ROOM:
+            window.again = None  # (not an overflow: no growth from it)
+            return there, True
         return chosen, False
 
     def _instead(self, window: Window, counts: dict[str, int], candidates: Sequence[Backend], pin: int,
                  members: Sequence[str], fair: float, slack: float, shares: dict[str, float] | None,
                  cached: str | None) -> Backend:
-        if shares:  # requests still under the cap, each replica's by its share of the speed
-            def room(b: Backend) -> float:
-                return fair * shares[b.name] + slack - counts[b.name]
-        else:
-            def room(b: Backend) -> float:
-                return fair + slack - counts[b.name]
+        room = _room(counts, fair, slack, shares)
         under = [b for b in candidates if room(b) >= 1.0]
         if not under:
             return max(candidates, key=room)
@@ -247,6 +240,19 @@ class Balance:
             if len(fresh) > 2 * _FRESH_MAX:  # bounded also while nothing publishes (Redis down)
                 _trim(fresh, _FRESH_MAX)
         return chosen
+
+
+def _room(counts: dict[str, int], fair: float, slack: float,
+          shares: dict[str, float] | None) -> Callable[[Backend], float]:
+    """Requests a replica may still take under its cap (each replica's by its share of the speed
+    while some replica is slower)."""
+    if shares:
+        def room(b: Backend) -> float:
+            return fair * shares[b.name] + slack - counts[b.name]
+    else:
+        def room(b: Backend) -> float:
+            return fair + slack - counts[b.name]
+    return room
 
 
 def _remember(overflow: dict[int, str], pin: int, name: str, replicas: int) -> None:

@@ -318,7 +318,12 @@ def live(args: argparse.Namespace, seed: int, policy: str, routers: int, tmp: Pa
         load = loads[k]
         served = [load.served.get(i, ("", ""))[0] for i in order]
         mine = [load.cached.get(i, (0, 0)) for i in order]
-        out.append(summarize(ph, served, mine, bound[k], load.ttft, load.errors, counted[k]))
+        row = summarize(ph, served, mine, bound[k], load.ttft, load.errors, counted[k])
+        # (in --json only) per request in send order: tenant, turn, replica, via, cached and queried
+        # tokens there, cached tokens of the pooled bound
+        row["trace"] = [(workload.turns[i].tenant, workload.turns[i].turn, *load.served.get(i, ("", "")), *m, b[0])
+                        for i, m, b in zip(order, mine, bound[k])]
+        out.append(row)
     return out
 
 

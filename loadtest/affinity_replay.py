@@ -61,6 +61,7 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
     # (no exchange runs here to release a coalescing leader: requests are routed, never sent)
     policy = PrefixAffinity(AffinityConfig(**{"coalesce_wait_s": 0.0, **knobs}), timer=clock)
     served: list[int] = []
+    reasons: list[str] = []
     in_flight: deque[Backend] = deque()
 
     async def route_all() -> None:
@@ -74,11 +75,12 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
             if len(in_flight) >= concurrency:
                 in_flight.popleft().in_flight -= 1
             request = parse_request(CHAT, orjson.dumps(turn.body(workload.spec)))
-            backend, _ = await policy.pick(backends, request, route)
+            backend, reason = await policy.pick(backends, request, route)
             await policy.maintain()  # the packing repair runs to completion where it starts
             backend.in_flight += 1
             in_flight.append(backend)
             served.append(backends.index(backend))
+            reasons.append(reason)
 
     try:
         asyncio.run(route_all())
@@ -107,7 +109,12 @@ def replay(shape: str, seed: int, requests: int, knobs: dict, rate: float, concu
     factor = [slowdown if r >= len(backends) - slow else 1.0 for r in range(len(backends))]
     work = sorted((q - h) * factor[served[i]] for i, (h, q) in enumerate(mine))
     cold_slow = sum(1 for i, (h, q) in enumerate(mine) if factor[served[i]] > 1 and q - h > _COLD)
-    return {"seed": seed, "share": share(0, n), "quarters": [share(k * n // 4, (k + 1) * n // 4) for k in range(4)],
+    # the hits the fleet lost against the bound (net of those it gained), by the pick's reason
+    lost: Counter = Counter()
+    for i, reason in enumerate(reasons):
+        lost[reason] += bound[i][0] - mine[i][0]
+    return {"seed": seed, "share": share(0, n), "lost": lost, "bound_hits": sum(h for h, _ in bound),
+            "reasons": Counter(reasons), "quarters": [share(k * n // 4, (k + 1) * n // 4) for k in range(4)],
             "max_over_mean": max(counts.values()) * len(backends) / n,
             "prefill_p99": work[min(n - 1, int(0.99 * n))], "cold_slow": cold_slow}
 
@@ -129,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                    "times slower (their load factor, as the scrape would set it, from --known-after requests on)")
     p.add_argument("--slowdown", type=float, default=2.0)
     p.add_argument("--known-after", type=int, default=200)
+    p.add_argument("--by-reason", action="store_true", help="also print the hits lost against the bound (net, "
+                   "in parts of the bound's hits) by the reason of each request's pick")
     args = p.parse_args(argv)
     results = []
     for seed in seeds(args.seeds):
@@ -141,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     shares = [r["share"] for r in results]
     print(f"{args.shape}: mean share {statistics.mean(shares):.4f}, min {min(shares):.3f}, "
           f"worst max/mean {max(r['max_over_mean'] for r in results):.2f} over {len(results)} seeds")
+    if args.by_reason:
+        lost, picks, hits = Counter(), Counter(), sum(r["bound_hits"] for r in results)
+        for r in results:
+            lost.update(r["lost"])
+            picks.update(r["reasons"])
+        for reason, tokens in lost.most_common():
+            print(f"  {reason:12s} {picks[reason]:7d} picks, lost {tokens / max(hits, 1):.4f} of the bound")
     return 0
 
 

@@ -29,10 +29,7 @@ third of the slack capped on the chance excursions of its sample (a third as man
 which sent 2-3x the 1-proxy count of overflows to replicas without the prompt. The overflows of
 the last FRESH_S go out with the window, so a tenant capped anywhere overflows to the same
 replica everywhere. Without the others' windows (Redis down, a proxy that sees another fleet)
-each proxy holds its own part to the cap with its part of the slack, as before; but a window
-begun by a change of the route's replicas has the whole slack until it is full (the others
-publish theirs of the new fleet a sync or two later, and a third of the slack on a few requests
-capped a tenant's requests in a row).
+each proxy holds its own part to the cap with its part of the slack, as before.
 
 The window starts empty when the route's replicas change (the mean changes with them) and is
 looser while it fills, so a fresh start is not forced round-robin before anything is known.

@@ -128,11 +128,8 @@ class Balance:
             if shares:
                 epsilon = self.speed_epsilon
         if others is None:
-            # each proxy holds its own part to the cap: their slacks add up to one; but a window
-            # begun by a change of the route's replicas holds the whole slack until it is full
-            # (a third of it on a few requests capped 158 of the 800 requests of the drift
-            # benchmark's join phase at 10x the rate with three proxies, 17-62 with it)
-            slack = _SLACK if window.filling == 0.0 and filled < size else _SLACK / proxies
+            # each proxy holds its own part to the cap: their slacks add up to one
+            slack = _SLACK / proxies
             fair = (1.0 + epsilon + window.filling * (1.0 - filled / size)) * filled / n
         else:  # the whole fleet's window: this proxy's decisions now, the others' as last published
             slack = _SLACK  # (a fresh start's looseness only for this proxy's own part)

@@ -151,12 +151,7 @@ class Upstream:
         the first byte of a stream, a failure ends the stream with an SSE error event.
         `head`: the request line and headers to send instead of the endpoint's usual POST.
         """
-        progress.proxy_s = perf_counter() - progress.arrival
-        track = self.tracks.get(backend)
-        if track is None:
-            track = self.tracks[backend] = Track()
-        progress.task = asyncio.current_task()
-        track.active.add(progress)
+        track = self.begin(backend, progress, asyncio.current_task())
         try:
             try:
                 resp = await self.pool.request(
@@ -164,7 +159,7 @@ class Upstream:
                     timeouts or self.server.timeouts,
                 )
             except UpstreamError as exc:
-                raise _failure(exc) from None
+                raise as_failure(exc) from None
             track.beats += 1
             headers_at = perf_counter()
             try:
@@ -177,21 +172,8 @@ class Upstream:
                 try:
                     payload = await resp.read(self.pool.max_body_bytes)
                 except UpstreamError as exc:
-                    raise _failure(exc) from None
-                read_at = perf_counter()
-                if status >= 400:
-                    payload, ctype = normalise_upstream_error(status, payload), JSON
-                    if retryable and status in RETRY_STATUSES:
-                        raise UpstreamFailure("status_5xx", status, "", payload=payload)
-                elif rename is not None:
-                    payload = payload.replace(*rename)
-                # headers go out before the body: the header counts proxy time up to this point
-                overhead_ms = b"%.3f" % ((progress.proxy_s + perf_counter() - read_at) * 1000.0)
-                headers_out = [(b"content-type", ctype), (b"content-length", b"%d" % len(payload)),
-                               (b"x-vllm-proxy-overhead-ms", overhead_ms), *response_headers]
-                progress.relay_at = read_at
-                progress.body = payload
-                progress.started = True
+                    raise as_failure(exc) from None
+                payload, headers_out = plain_answer(status, ctype, payload, progress, response_headers, rename, retryable)
                 await send({"type": "http.response.start", "status": status, "headers": headers_out})
                 await send({"type": "http.response.body", "body": payload})
                 return status
@@ -208,6 +190,17 @@ class Upstream:
         finally:
             track.active.discard(progress)
             progress.task = None
+
+    def begin(self, backend: Backend, progress: Progress, task) -> Track:
+        """An exchange with `backend` starts: counted on its track (the watchdog's view) until it ends
+        (`track.active.discard(progress)`). `task`: what `Progress.cut` cancels."""
+        progress.proxy_s = perf_counter() - progress.arrival
+        track = self.tracks.get(backend)
+        if track is None:
+            track = self.tracks[backend] = Track()
+        progress.task = task
+        track.active.add(progress)
+        return track
 
     async def _relay_stream(
         self, resp: Response, send: Send, headers: Headers, rename: tuple[bytes, bytes] | None,
@@ -241,6 +234,29 @@ class Upstream:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+def plain_answer(
+    status: int, ctype: bytes, payload: bytes, progress: Progress, response_headers: Headers,
+    rename: tuple[bytes, bytes] | None, retryable: bool,
+) -> tuple[bytes, list]:
+    """The body and headers of a plain answer read whole from the replica (its error normalised to
+    OpenAI's envelope, its model renamed); a 502/503/504 is raised as UpstreamFailure when
+    `retryable`, since another replica may serve the request instead."""
+    read_at = perf_counter()
+    if status >= 400:
+        payload, ctype = normalise_upstream_error(status, payload), JSON
+        if retryable and status in RETRY_STATUSES:
+            raise UpstreamFailure("status_5xx", status, "", payload=payload)
+    elif rename is not None:
+        payload = payload.replace(*rename)
+    # headers go out before the body: the header counts proxy time up to this point
+    overhead_ms = b"%.3f" % ((progress.proxy_s + perf_counter() - read_at) * 1000.0)
+    progress.relay_at = read_at
+    progress.body = payload
+    progress.started = True
+    return payload, [(b"content-type", ctype), (b"content-length", b"%d" % len(payload)),
+                     (b"x-vllm-proxy-overhead-ms", overhead_ms), *response_headers]
+
+
 async def _end_stream(resp: Response, send: Send, error: ProxyError) -> None:
     """Close the upstream (vLLM aborts the request) and end the client's stream with `error` as
     an SSE event (no [DONE]: the openai SDK raises it)."""
@@ -259,7 +275,7 @@ def _uncancel() -> None:
         task.uncancel()
 
 
-def _failure(exc: UpstreamError) -> UpstreamFailure:
+def as_failure(exc: UpstreamError) -> UpstreamFailure:
     if exc.kind == "timeout":
         return UpstreamFailure("timeout", 504, f"The model server did not answer in time: {exc}.")
     return UpstreamFailure(exc.kind, 502, f"The model server failed: {exc}.")

@@ -45,7 +45,7 @@ class _Stop(Exception):
 
 class Response:
     __slots__ = ("status", "content_type", "content_length", "_conn", "_buf", "_size", "_waiter", "done", "_error",
-                 "_idle_timeout", "_deadline", "keep_alive", "got_bytes", "_boundary", "unsent")
+                 "_idle_timeout", "_deadline", "keep_alive", "got_bytes", "_boundary", "unsent", "notify")
 
     def __init__(self, conn: "_Connection", idle_timeout: float, deadline: float) -> None:
         self.status = 0
@@ -63,9 +63,16 @@ class Response:
         self.got_bytes = False
         self._boundary = True  # the body handed out so far ends between two SSE events
         self.unsent = False  # the connection died before the request was written: nothing reached the upstream
+        # Called instead of waking a waiter, for an exchange driven by callbacks (proxy/fastpath.py):
+        # at the end of the read that made progress (never inside the parser), or at once otherwise.
+        self.notify = None
 
     # -- fed by the protocol --------------------------------------------------------------
     def _wake(self) -> None:
+        if self.notify is not None:
+            if not self._conn.feeding:
+                self.notify()
+            return
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -122,9 +129,17 @@ class Response:
                     raise
                 if self._boundary and not self._buf and time.monotonic() - silent_since < self._idle_timeout:
                     return PING
-        data = self._buf[0] if len(self._buf) == 1 else b"".join(self._buf)
+        data = self.take()
         self._boundary = data.endswith(b"\n\n")
-        self._buf.clear()
+        return data
+
+    def take(self) -> bytes:
+        """The body bytes buffered so far (b"" if none), reading resumed if they had paused it."""
+        buf = self._buf
+        if not buf:
+            return b""
+        data = buf[0] if len(buf) == 1 else b"".join(buf)
+        buf.clear()
         if self._size > _HIGH_WATER:
             self._conn.transport.resume_reading()
         self._size = 0
@@ -163,7 +178,7 @@ def _expire(waiter: asyncio.Future, what: str) -> None:
 
 class _Connection(asyncio.Protocol):
     __slots__ = ("pool", "key", "transport", "parser", "response", "closed", "idle_since", "_interim", "_framed",
-                 "_head_bytes", "_request")
+                 "_head_bytes", "_request", "feeding")
 
     def __init__(self, pool: "Pool", key: tuple) -> None:
         self.pool = pool
@@ -177,6 +192,7 @@ class _Connection(asyncio.Protocol):
         self._framed = False  # the final response has a Content-Length or is chunked
         self._head_bytes = 0
         self._request: Optional[bytes] = None  # queued for the pool's next write pass
+        self.feeding = False  # inside data_received: a callback-driven response is notified after it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -222,6 +238,15 @@ class _Connection(asyncio.Protocol):
             self._excess(len(data))  # bytes nobody asked for: the connection is not reusable
             return
         response.got_bytes = True
+        self.feeding = True
+        try:
+            self._parse(response, data)
+        finally:
+            self.feeding = False
+        if response.notify is not None:
+            response.notify()
+
+    def _parse(self, response: Response, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -371,6 +396,17 @@ class Pool:
             conn.abort()
         return None
 
+    def start_pooled(self, key: tuple, request: bytes, timeouts, now: float) -> Optional[Response]:
+        """`request` started on an idle pooled connection (written in this turn's pass), or None
+        when none is idle or the one found closed before the write (nothing was sent)."""
+        conn = self._reuse(key)
+        if conn is None:
+            return None
+        try:
+            return conn.start(request, timeouts.idle, now + timeouts.total)
+        except UpstreamError:
+            return None
+
     async def request(self, key: tuple, head: bytes, body: bytes, timeouts) -> Response:
         """Send `head` (request line and headers, ending in a blank line) and `body`; return once
         the response headers arrived. `timeouts` has `connect`, `first_byte`, `idle` and `total`
@@ -378,17 +414,13 @@ class Pool:
         write, that is an error, never a second send (the upstream may have started it: an LLM
         call is not idempotent)."""
         request = head + body
-        conn = self._reuse(key)
-        reused = conn is not None
         loop = asyncio.get_running_loop()
-        if conn is not None:
-            now = loop.time()
-            try:
-                response = conn.start(request, timeouts.idle, now + timeouts.total)
-            except UpstreamError:  # nothing was written: a fresh connection may take it
-                conn = None
-                reused = False
-        if conn is None:
+        now = loop.time()
+        response = self.start_pooled(key, request, timeouts, now)
+        reused = response is not None
+        if response is not None:
+            conn = response._conn
+        else:
             conn, response, now = await self._start_fresh(key, request, timeouts)
         # The head must be complete by `by`: one dripping in byte by byte (or interim responses)
         # does not extend it.

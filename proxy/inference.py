@@ -134,54 +134,95 @@ class Spec:
 _JSON_BODY = Spec()  # the chat/completions/embeddings behaviour of the rarely taken steps
 
 
+class Call:
+    """One request on this path, as its steps share it: the client's side (scope, id, endpoint,
+    disconnect watch) and what was decided (parsed body, deployment, the body to forward)."""
+
+    __slots__ = ("scope", "endpoint", "spec", "started", "request_id", "rid", "id_header", "parsed", "route",
+                 "trusted_only", "body", "watch")
+
+    def __init__(self, scope: Scope, endpoint: str, spec: Spec | None, started: float) -> None:
+        self.scope = scope
+        self.endpoint = endpoint
+        self.spec = spec
+        self.started = started
+        self.request_id = request_id = _request_id(scope)
+        self.rid = rid = request_id.encode("ascii")
+        self.id_header = [(b"x-request-id", rid)]
+        self.parsed: ParsedRequest = None  # type: ignore[assignment]
+        self.route: Route | None = None
+        self.trusted_only = False
+        self.body = b""
+        self.watch = None
+
+    def resolve(self, rt: Runtime, body: bytes) -> None:
+        """Parse the body once and find its deployment (a 404 if the model is unknown or not the
+        client's). Leaves `body` as read: the rewrite, if any, follows the multimodal check."""
+        spec = self.spec
+        parsed = self.parsed = parse_request(self.endpoint, body) if spec is None else spec.parse(self.scope, body)
+        route = self.route = rt.catalog.get(parsed.model)
+        scope = self.scope
+        if route is None or (CLIENT in scope and not scope[CLIENT].may_use(route.name)):
+            raise model_not_found(parsed.model)
+        self.body = body
+
+
 async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoint: str, spec: Spec | None = None) -> None:
-    started = time.perf_counter()
-    request_id = _request_id(scope)
-    rid = request_id.encode("ascii")
-    id_header = [(b"x-request-id", rid)]
-    metrics = rt.metrics
-    route = None
-    watch = None
+    call = Call(scope, endpoint, spec, time.perf_counter())
     try:
         body = await read_body(scope, receive, rt.max_body_bytes)
         # From here a client that leaves cancels this task (also while it waits for a slot).
         lean = scope.get(DISCONNECT)
-        watch = lean.arm() if lean is not None else DisconnectWatch(receive)
-        parsed = parse_request(endpoint, body) if spec is None else spec.parse(scope, body)
-        route = rt.catalog.get(parsed.model)
-        if route is None or (CLIENT in scope and not scope[CLIENT].may_use(route.name)):
-            raise model_not_found(parsed.model)
-        trusted_only = changed = False
+        call.watch = lean.arm() if lean is not None else DisconnectWatch(receive)
+        call.resolve(rt, body)
+        parsed, route = call.parsed, call.route
+        changed = False
         if parsed.multimodal:
-            trusted_only, changed = await rt.multimodal.check(parsed, route)
+            call.trusted_only, changed = await rt.multimodal.check(parsed, route)
         if route.rewrite or changed:
-            body = (spec or _JSON_BODY).rewrite(parsed, body, route)
-        # counted in flight from here: released by `with lease` below (no await in between)
-        lease = await (rt.scheduler.schedule(route, parsed, trusted_only) if spec is None else
-                       spec.choose(rt, route, parsed, trusted_only))
+            call.body = (spec or _JSON_BODY).rewrite(parsed, body, route)
+        # counted in flight from here: released by `with lease` in `serve` (no await in between)
+        lease = await (rt.scheduler.schedule(route, parsed, call.trusted_only) if spec is None else
+                       spec.choose(rt, route, parsed, call.trusted_only))
     except ClientGone:
         return
     except asyncio.CancelledError:
-        if watch is None or not watch.gone:
+        if call.watch is None or not call.watch.gone:
             raise
-        deployment = _unrouted(rt, request_id, endpoint, route, CLIENT_CLOSED, started, key_name(scope))
-        metrics.child(metrics.disconnects, deployment, "before_first_byte").inc()
+        unrouted_gone(rt, call)
         return
     except ProxyError as err:
-        if watch is not None:
-            watch.stop()
-        await send_error(send, err, id_header)
-        _unrouted(rt, request_id, endpoint, route, str(err.status), started, key_name(scope))
+        if call.watch is not None:
+            call.watch.stop()
+        await send_error(send, err, call.id_header)
+        _unrouted(rt, call.request_id, endpoint, call.route, str(err.status), call.started, key_name(scope))
         return
-
     rt.retries.deposit()
+    await serve(rt, call, send, lease)
+
+
+def unrouted_gone(rt: Runtime, call: Call) -> None:
+    """The client left before its request reached a replica."""
+    metrics = rt.metrics
+    deployment = _unrouted(rt, call.request_id, call.endpoint, call.route, CLIENT_CLOSED, call.started,
+                           key_name(call.scope))
+    metrics.child(metrics.disconnects, deployment, "before_first_byte").inc()
+
+
+async def serve(rt: Runtime, call: Call, send: Send, lease: Lease, first: "Attempt | None" = None) -> None:
+    """The attempts on `lease` and, after a failure that allows it, on other replicas; then the
+    request's metrics and log line. `first`: an attempt already made (proxy/fastpath.py)."""
+    metrics = rt.metrics
+    route, parsed, spec, watch = call.route, call.parsed, call.spec, call.watch
     tried: list[Backend] = []
+    attempt = first
     try:
         while True:
-            with lease:
-                status, progress, series, failure = await _attempt(
-                    rt, route, endpoint, body, rid, send, id_header, lease, started, watch, spec
-                )
+            if attempt is None:
+                with lease:
+                    attempt = await _attempt(rt, call, send, lease)
+            status, progress, series, failure = attempt.status, attempt.progress, attempt.series, attempt.failure
+            attempt = None
             backend, reason = lease.backend, lease.reason
             if failure is None:
                 break
@@ -190,8 +231,8 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
                      and rt.retries.withdraw())
             if retry:
                 try:
-                    lease = await (rt.scheduler.schedule(route, parsed, trusted_only, tried) if spec is None else
-                                   spec.choose(rt, route, parsed, trusted_only, tried))
+                    lease = await (rt.scheduler.schedule(route, parsed, call.trusted_only, tried) if spec is None else
+                                   spec.choose(rt, route, parsed, call.trusted_only, tried))
                 except ProxyError:
                     retry = False
                 except asyncio.CancelledError:
@@ -200,14 +241,19 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
                     status = CLIENT_CLOSED
                     break
             if not retry:
-                await send_error(send, failure, _response_headers(rt, id_header, backend, reason))
+                await send_error(send, failure, _response_headers(rt, call.id_header, backend, reason))
                 break
             metrics.child(metrics.retries, route.name, failure.kind).inc()
             lease.reason = "retry"
     finally:
         watch.stop()
-    # metrics and the access log (proxy/metrics.py, proxy/accesslog.py)
+    account(rt, call, status, progress, series, backend, reason)
+
+
+def account(rt: Runtime, call: Call, status: str, progress: Progress, series, backend: Backend, reason: str) -> None:
+    """A request answered by a replica: its metrics (proxy/metrics.py) and access-log line."""
     ended = time.perf_counter()
+    started = call.started
     series.status(status).inc()
     series.duration.observe(ended - started)
     overhead = ttft = None
@@ -217,13 +263,14 @@ async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoi
         ttft = progress.ttft()
         if ttft is not None:
             series.ttft.observe(ttft)
-    key = key_name(scope)
-    tokens = usage_tokens((spec or _JSON_BODY).usage(progress, parsed.stream))
-    metrics.count_key(key, status, route.name, tokens)
+    key = key_name(call.scope)
+    tokens = usage_tokens((call.spec or _JSON_BODY).usage(progress, call.parsed.stream))
+    route = call.route
+    rt.metrics.count_key(key, status, route.name, tokens)
     access = rt.access
     if access is not None and access.wanted():
-        access.write(request_id, endpoint, route.name, backend.name, reason, status, parsed.stream, ended - started,
-                     ttft, overhead, tokens, key)
+        access.write(call.request_id, call.endpoint, route.name, backend.name, reason, status, call.parsed.stream,
+                     ended - started, ttft, overhead, tokens, key)
 
 
 def _unrouted(
@@ -245,59 +292,90 @@ def refused(rt: Runtime, scope: Scope, endpoint: str, status: int) -> None:
     _unrouted(rt, _request_id(scope), endpoint, None, str(status), time.perf_counter(), None)
 
 
-async def _attempt(
-    rt: Runtime, route: Route, endpoint: str, body: bytes, rid: bytes, send: Send, id_header: list,
-    lease: Lease, started: float, watch: "DisconnectWatch", spec: Spec | None = None,
-) -> tuple[str, Progress, object, UpstreamFailure | None]:
-    """One exchange with the leased replica. Returns (status, progress, series, failure): `failure`
-    is set only when nothing reached the client and another replica may be tried."""
-    metrics = rt.metrics
-    backend, reason = lease.backend, lease.reason
-    metrics.child(metrics.decisions, rt.policy.name, reason).inc()
-    status = "502"
-    failure = None
-    in_flight = metrics.child(metrics.in_flight, backend.name)
-    in_flight.inc()
-    series = metrics.series(route.name, backend.name, endpoint)
-    progress = Progress(started, series.stream_sink) if spec is None else Progress(started, series.stream_sink, spec.marker)
-    parsed = lease.request
-    warmed = progress.on_first = parsed.warmed if parsed is not None else None
-    try:
-        if parsed is not None and parsed.wait_for is not None:  # its prompt is being computed there
-            follow, parsed.wait_for = parsed.wait_for, None
-            await follow()
-        code = await rt.upstream.exchange(
-            backend, endpoint, body, rid, send, _response_headers(rt, id_header, backend, reason), progress,
-            route.rename, retryable=True, timeouts=route.timeouts, head=None if spec is None else spec.head(backend, endpoint),
-        )
-        status = str(code)
+class Attempt:
+    """One exchange with the leased replica, as counted: in flight on it from construction to
+    `end()`; `status`, and `failure` when nothing reached the client and another replica may be
+    tried."""
+
+    __slots__ = ("rt", "backend", "in_flight", "series", "progress", "warmed", "status", "failure")
+
+    def __init__(self, rt: Runtime, call: Call, lease: Lease) -> None:
+        self.rt = rt
+        metrics = rt.metrics
+        backend = self.backend = lease.backend
+        metrics.child(metrics.decisions, rt.policy.name, lease.reason).inc()
+        self.status = "502"
+        self.failure: UpstreamFailure | None = None
+        in_flight = self.in_flight = metrics.child(metrics.in_flight, backend.name)
+        in_flight.inc()
+        series = self.series = metrics.series(call.route.name, backend.name, call.endpoint)  # type: ignore[union-attr]
+        spec = call.spec
+        self.progress = progress = (Progress(call.started, series.stream_sink) if spec is None else
+                                    Progress(call.started, series.stream_sink, spec.marker))
+        parsed = lease.request
+        self.warmed = progress.on_first = parsed.warmed if parsed is not None else None
+
+    def answered(self, code: int) -> None:
+        """The replica's answer reached the client."""
+        self.status = str(code)
         if code >= 500:
-            rt.outliers.failure(backend)
+            self.rt.outliers.failure(self.backend)
         else:
-            rt.outliers.success(backend)
-    except asyncio.CancelledError:
-        if not watch.gone:
-            raise
-        status = CLIENT_CLOSED
-        phase = "streaming" if progress.started else "before_first_byte"
+            self.rt.outliers.success(self.backend)
+
+    def gone(self, route: Route) -> None:
+        """The client left during the exchange."""
+        self.status = CLIENT_CLOSED
+        metrics = self.rt.metrics
+        phase = "streaming" if self.progress.started else "before_first_byte"
         metrics.child(metrics.disconnects, route.name, phase).inc()
-    except UpstreamFailure as exc:
+
+    async def failed(self, exc: "UpstreamFailure | StreamBroken") -> None:
+        """The exchange failed: before the client saw anything (UpstreamFailure), or mid-stream."""
+        rt, backend = self.rt, self.backend
+        metrics = rt.metrics
+        if isinstance(exc, StreamBroken):
+            metrics.child(metrics.upstream_errors, backend.name, exc.failure.kind).inc()
+            if exc.failure.kind != "down":
+                rt.outliers.failure(backend)
+            return
         metrics.child(metrics.upstream_errors, backend.name, exc.kind).inc()
         if exc.kind == "timeout" and await rt.watchdog.answers(backend):
             exc = poisoned(exc, backend)  # the replica is fine: the request is the likely cause
         elif exc.kind != "down":  # (a replica marked down is out of rotation already)
             rt.outliers.failure(backend)
-        status, failure = str(exc.status), exc
-    except StreamBroken as broken:
-        metrics.child(metrics.upstream_errors, backend.name, broken.failure.kind).inc()
-        if broken.failure.kind != "down":
-            rt.outliers.failure(backend)
+        self.status, self.failure = str(exc.status), exc
+
+    def end(self, lease: Lease) -> None:
+        self.in_flight.dec()
+        lease.status = self.status
+        if self.warmed is not None:  # a coalescing leader: whoever waits for its prompt goes now
+            self.warmed()
+
+
+async def _attempt(rt: Runtime, call: Call, send: Send, lease: Lease) -> Attempt:
+    attempt = Attempt(rt, call, lease)
+    backend, reason, spec, route = lease.backend, lease.reason, call.spec, call.route
+    parsed = lease.request
+    try:
+        if parsed is not None and parsed.wait_for is not None:  # its prompt is being computed there
+            follow, parsed.wait_for = parsed.wait_for, None
+            await follow()
+        code = await rt.upstream.exchange(
+            backend, call.endpoint, call.body, call.rid, send, _response_headers(rt, call.id_header, backend, reason),
+            attempt.progress, route.rename, retryable=True, timeouts=route.timeouts,  # type: ignore[union-attr]
+            head=None if spec is None else spec.head(backend, call.endpoint),
+        )
+        attempt.answered(code)
+    except asyncio.CancelledError:
+        if not call.watch.gone:
+            raise
+        attempt.gone(route)  # type: ignore[arg-type]
+    except (UpstreamFailure, StreamBroken) as exc:
+        await attempt.failed(exc)
     finally:
-        in_flight.dec()
-        lease.status = status
-        if warmed is not None:  # a coalescing leader: whoever waits for its prompt goes now
-            warmed()
-    return status, progress, series, failure
+        attempt.end(lease)
+    return attempt
 
 
 def _response_headers(rt: Runtime, id_header: list, backend: Backend, reason: str) -> list:

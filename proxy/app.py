@@ -8,6 +8,7 @@ import gc
 import hmac
 import logging
 import os
+import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -15,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from proxy import audio, endpoints, inference, passthrough, responses
+from proxy import audio, endpoints, fastpath, inference, passthrough, responses
 from proxy.asgi import Receive, Scope, Send, bearer, send_error
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
@@ -137,6 +138,24 @@ class ProxyApp:
                 await tracing.serve(self._http, scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    def serve_in_callbacks(self, cycle) -> bool:
+        """proxy/server.py's hook: serve an inference POST whose body is complete without a task
+        (proxy/fastpath.py). False: run the app for it as usual."""
+        rt = self.runtime
+        if rt.tracing is not None:
+            return False
+        scope = cycle.scope
+        if rt.auth is not None:
+            try:
+                scope["vllm_proxy.client"] = rt.auth.client(scope)
+            except ProxyError:
+                return False  # the usual path answers it
+        try:
+            return fastpath.start(rt, cycle, INFERENCE[scope["path"]], time.perf_counter())
+        except Exception:  # noqa: BLE001 - a bug here must not take the connection's parser down
+            log.exception("serving a request in callbacks failed")
+            return False
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]

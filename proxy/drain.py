@@ -58,9 +58,11 @@ class DrainingServer(uvicorn.Server):
         tasks = list(state.tasks)
         if tasks:
             log.warning("drain deadline passed: ending %d request(s) still in flight", len(tasks))
-            for task in tasks:
+            for task in tasks:  # (a request served in callbacks, proxy/fastpath.py, answers at once)
                 task.cancel(msg="drain deadline passed")
-            await asyncio.wait(tasks, timeout=_CUT_GRACE_S)
+            futures = [task for task in tasks if isinstance(task, asyncio.Future)]
+            if futures:
+                await asyncio.wait(futures, timeout=_CUT_GRACE_S)
         for connection in list(state.connections):
             connection.shutdown()
         if not self.force_exit:

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import os
 import time
+from typing import Awaitable
 
 import orjson
 
@@ -131,7 +132,7 @@ class Spec:
         return head
 
 
-_JSON_BODY = Spec()  # the chat/completions/embeddings behaviour of the rarely taken steps
+JSON_BODY = Spec()  # the chat/completions/embeddings behaviour of the rarely taken steps
 
 
 class Call:
@@ -169,21 +170,34 @@ class Call:
 
 async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoint: str, spec: Spec | None = None) -> None:
     call = Call(scope, endpoint, spec, time.perf_counter())
+    await decide_and_serve(rt, call, send, _decide(rt, call, receive))
+
+
+async def _decide(rt: Runtime, call: Call, receive: Receive) -> Lease:
+    """Read the body, parse it, check it, and lease a replica for it."""
+    scope, spec = call.scope, call.spec
+    body = await read_body(scope, receive, rt.max_body_bytes)
+    # From here a client that leaves cancels this task (also while it waits for a slot).
+    lean = scope.get(DISCONNECT)
+    call.watch = lean.arm() if lean is not None else DisconnectWatch(receive)
+    call.resolve(rt, body)
+    parsed, route = call.parsed, call.route
+    changed = False
+    if parsed.multimodal:
+        call.trusted_only, changed = await rt.multimodal.check(parsed, route)
+    if route.rewrite or changed:
+        call.body = (spec or JSON_BODY).rewrite(parsed, body, route)
+    # counted in flight from here: released by `with lease` in `serve` (no await in between)
+    return await (rt.scheduler.schedule(route, parsed, call.trusted_only) if spec is None else
+                  spec.choose(rt, route, parsed, call.trusted_only))
+
+
+async def decide_and_serve(rt: Runtime, call: Call, send: Send, decide: Awaitable[Lease]) -> None:
+    """Await the decision (`decide`, which may have begun outside this task: proxy/fastpath.py),
+    answering whatever stops it, then serve the request on its lease."""
+    endpoint, scope = call.endpoint, call.scope
     try:
-        body = await read_body(scope, receive, rt.max_body_bytes)
-        # From here a client that leaves cancels this task (also while it waits for a slot).
-        lean = scope.get(DISCONNECT)
-        call.watch = lean.arm() if lean is not None else DisconnectWatch(receive)
-        call.resolve(rt, body)
-        parsed, route = call.parsed, call.route
-        changed = False
-        if parsed.multimodal:
-            call.trusted_only, changed = await rt.multimodal.check(parsed, route)
-        if route.rewrite or changed:
-            call.body = (spec or _JSON_BODY).rewrite(parsed, body, route)
-        # counted in flight from here: released by `with lease` in `serve` (no await in between)
-        lease = await (rt.scheduler.schedule(route, parsed, call.trusted_only) if spec is None else
-                       spec.choose(rt, route, parsed, call.trusted_only))
+        lease = await decide
     except ClientGone:
         return
     except asyncio.CancelledError:
@@ -209,9 +223,11 @@ def unrouted_gone(rt: Runtime, call: Call) -> None:
     metrics.child(metrics.disconnects, deployment, "before_first_byte").inc()
 
 
-async def serve(rt: Runtime, call: Call, send: Send, lease: Lease, first: "Attempt | None" = None) -> None:
+async def serve(rt: Runtime, call: Call, send: Send, lease: Lease, first: "Attempt | None" = None,
+                begun: "Attempt | None" = None) -> None:
     """The attempts on `lease` and, after a failure that allows it, on other replicas; then the
-    request's metrics and log line. `first`: an attempt already made (proxy/fastpath.py)."""
+    request's metrics and log line. Begun outside this task (proxy/fastpath.py): `first`, an
+    attempt already over; `begun`, one counted whose request never reached the replica."""
     metrics = rt.metrics
     route, parsed, spec, watch = call.route, call.parsed, call.spec, call.watch
     tried: list[Backend] = []
@@ -220,7 +236,8 @@ async def serve(rt: Runtime, call: Call, send: Send, lease: Lease, first: "Attem
         while True:
             if attempt is None:
                 with lease:
-                    attempt = await _attempt(rt, call, send, lease)
+                    attempt = await _attempt(rt, call, send, lease, begun)
+                begun = None
             status, progress, series, failure = attempt.status, attempt.progress, attempt.series, attempt.failure
             attempt = None
             backend, reason = lease.backend, lease.reason
@@ -241,7 +258,7 @@ async def serve(rt: Runtime, call: Call, send: Send, lease: Lease, first: "Attem
                     status = CLIENT_CLOSED
                     break
             if not retry:
-                await send_error(send, failure, _response_headers(rt, call.id_header, backend, reason))
+                await send_error(send, failure, response_headers(rt, call.id_header, backend, reason))
                 break
             metrics.child(metrics.retries, route.name, failure.kind).inc()
             lease.reason = "retry"
@@ -264,7 +281,7 @@ def account(rt: Runtime, call: Call, status: str, progress: Progress, series, ba
         if ttft is not None:
             series.ttft.observe(ttft)
     key = key_name(call.scope)
-    tokens = usage_tokens((call.spec or _JSON_BODY).usage(progress, call.parsed.stream))
+    tokens = usage_tokens((call.spec or JSON_BODY).usage(progress, call.parsed.stream))
     route = call.route
     rt.metrics.count_key(key, status, route.name, tokens)
     access = rt.access
@@ -353,8 +370,20 @@ class Attempt:
             self.warmed()
 
 
-async def _attempt(rt: Runtime, call: Call, send: Send, lease: Lease) -> Attempt:
-    attempt = Attempt(rt, call, lease)
+async def after_failure(rt: Runtime, call: Call, send: Send, lease: Lease, attempt: Attempt,
+                        exc: UpstreamFailure) -> None:
+    """Serve on from a first attempt that failed before the client saw anything (proxy/fastpath.py)."""
+    with lease:
+        try:
+            await attempt.failed(exc)
+        finally:
+            attempt.end(lease)
+    await serve(rt, call, send, lease, attempt)
+
+
+async def _attempt(rt: Runtime, call: Call, send: Send, lease: Lease, attempt: Attempt | None = None) -> Attempt:
+    if attempt is None:
+        attempt = Attempt(rt, call, lease)
     backend, reason, spec, route = lease.backend, lease.reason, call.spec, call.route
     parsed = lease.request
     try:
@@ -362,7 +391,7 @@ async def _attempt(rt: Runtime, call: Call, send: Send, lease: Lease) -> Attempt
             follow, parsed.wait_for = parsed.wait_for, None
             await follow()
         code = await rt.upstream.exchange(
-            backend, call.endpoint, call.body, call.rid, send, _response_headers(rt, call.id_header, backend, reason),
+            backend, call.endpoint, call.body, call.rid, send, response_headers(rt, call.id_header, backend, reason),
             attempt.progress, route.rename, retryable=True, timeouts=route.timeouts,  # type: ignore[union-attr]
             head=None if spec is None else spec.head(backend, call.endpoint),
         )
@@ -378,7 +407,7 @@ async def _attempt(rt: Runtime, call: Call, send: Send, lease: Lease) -> Attempt
     return attempt
 
 
-def _response_headers(rt: Runtime, id_header: list, backend: Backend, reason: str) -> list:
+def response_headers(rt: Runtime, id_header: list, backend: Backend, reason: str) -> list:
     if not rt.explain:
         return id_header
     return [*id_header, (b"x-vllm-proxy-backend", backend.name.encode()), (b"x-vllm-proxy-route", reason.encode())]

@@ -263,7 +263,7 @@ async def by_id(rt: Runtime, scope: Scope, receive: Receive, send: Send, respons
         if query:
             target += "?" + query.decode("ascii")
         route = rt.catalog.get(deployment)
-        headers = inference._response_headers(rt, id_header, backend, "owner")
+        headers = inference.response_headers(rt, id_header, backend, "owner")
         code = await rt.upstream.exchange(
             backend, BY_ID, b"", id_header[0][1], send, headers, Progress(started),
             route.rename if route is not None else None, head=backend.head_prefix(method, target),

@@ -252,6 +252,9 @@ class ProxyProtocol(HttpToolsProtocol):
         if phase == _HEAD:
             self._head_bytes += len(data)
         _feed(self, data)
+        lean = self.lean
+        if lean is not None and lean.task is None and not lean.response_complete:
+            lean.spawn(self.app)  # its body is incomplete after this read: the task reads the rest
         phase = self._phase
         if phase != _REST:
             if not self._since:
@@ -341,11 +344,14 @@ class ProxyProtocol(HttpToolsProtocol):
         scope["query_string"] = b""
         if version != "1.1":
             scope["http_version"] = version
-        self.cycle = self.lean = cycle = LeanCycle(self, scope, version != "1.0" and self.parser.should_keep_alive())
-        task = self.loop.create_task(cycle.run(self.app))
-        cycle.task = task
-        task.add_done_callback(self.tasks.discard)
-        self.tasks.add(task)
+        # its task starts once the body is complete (or once a read leaves it incomplete): a plain
+        # request may be served in callbacks instead (`ProxyApp.serve_in_callbacks`, proxy/fastpath.py)
+        self.cycle = self.lean = LeanCycle(self, scope, version != "1.0" and self.parser.should_keep_alive())
+
+    def _dispatch(self, cycle: "LeanCycle") -> None:
+        serve = getattr(self.app, "serve_in_callbacks", None)
+        if serve is None or not serve(cycle):
+            cycle.spawn(self.app)
 
     def on_body(self, body: bytes) -> None:
         cycle = self.cycle
@@ -365,7 +371,10 @@ class ProxyProtocol(HttpToolsProtocol):
             super().on_message_complete()
         elif not cycle.response_complete:
             cycle.more_body = False
-            cycle.wake()
+            if cycle.task is None:
+                self._dispatch(cycle)
+            else:
+                cycle.wake()
 
 
 class LeanCycle:
@@ -426,6 +435,15 @@ class LeanCycle:
         self.armed = False
 
     # -- ASGI --------------------------------------------------------------------------------
+    def spawn(self, app: Any) -> asyncio.Task:
+        """Run `app` (an ASGI app, or any callable of scope, receive and send) for this cycle in a
+        task of the server's (the drain waits for them); it becomes the task a disconnect cancels."""
+        protocol = self.protocol
+        self.task = task = protocol.loop.create_task(self.run(app))
+        task.add_done_callback(protocol.tasks.discard)
+        protocol.tasks.add(task)
+        return task
+
     async def run(self, app: Any) -> None:
         try:
             await app(self.scope, self.receive, self.send)
@@ -439,15 +457,18 @@ class LeanCycle:
                 log.error("the request handler returned without a response")
             await self._finish_for_the_app()
         finally:
-            # Leave no reference cycle behind (protocol <-> cycle, scope[DISCONNECT] <-> cycle,
-            # task -> coroutine -> cycle): per-request garbage that only the cyclic collector
-            # could free would cost throughput and tail latency.
-            protocol = self.protocol
-            if protocol is not None and protocol.lean is self:
-                protocol.lean = None
-            self.protocol = None  # type: ignore[assignment]
-            self.scope = None  # type: ignore[assignment]
-            self.task = None
+            self.detach()
+
+    def detach(self) -> None:
+        """Leave no reference cycle behind (protocol <-> cycle, scope[DISCONNECT] <-> cycle,
+        task -> coroutine -> cycle): per-request garbage that only the cyclic collector could
+        free would cost throughput and tail latency."""
+        protocol = self.protocol
+        if protocol is not None and protocol.lean is self:
+            protocol.lean = None
+        self.protocol = None  # type: ignore[assignment]
+        self.scope = None  # type: ignore[assignment]
+        self.task = None
 
     async def _finish_for_the_app(self, cancelled: bool = False) -> None:
         """After the app: a response it never started is a 500 (a 503 when the server cancelled it:
@@ -521,33 +542,46 @@ class LeanCycle:
             if not more:
                 self._complete()
         elif kind == "http.response.start":
-            if self._started:
-                raise RuntimeError("response already started")
-            self._started = True
-            head = [STATUS_LINE[message["status"]]]
-            chunked = True
-            for name, value in message.get("headers", ()):
-                if name == b"content-length":
-                    chunked = False
-                elif name == b"connection" and b"close" in value.lower():
-                    self.keep_alive = False
-                    continue
-                head += (name, b": ", value, b"\r\n")
-            for name, value in self.protocol.server_state.default_headers:  # Date (and Server if on)
-                head += (name, b": ", value, b"\r\n")
-            if chunked:
-                head.append(b"transfer-encoding: chunked\r\n")
-            if not self.keep_alive:
-                head.append(b"connection: close\r\n")
-            head.append(b"\r\n")
-            self._chunked = chunked
-            if chunked:  # a stream: its head goes out now (clients see the status before the first token)
+            head = self._start(message["status"], message.get("headers", ()))
+            if self._chunked:  # a stream: its head goes out now (clients see the status before the first token)
                 if not self.disconnected and not self.transport.is_closing():
-                    self.transport.write(b"".join(head))
+                    self.transport.write(head)
             else:  # a plain body: head and body leave in one write
-                self._head = [b"".join(head)]
+                self._head = [head]
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
+
+    def _start(self, status: int, headers: Any) -> bytes:
+        """The response head (chunked unless the headers give a Content-Length)."""
+        if self._started:
+            raise RuntimeError("response already started")
+        self._started = True
+        head = [STATUS_LINE[status]]
+        chunked = True
+        for name, value in headers:
+            if name == b"content-length":
+                chunked = False
+            elif name == b"connection" and b"close" in value.lower():
+                self.keep_alive = False
+                continue
+            head += (name, b": ", value, b"\r\n")
+        for name, value in self.protocol.server_state.default_headers:  # Date (and Server if on)
+            head += (name, b": ", value, b"\r\n")
+        if chunked:
+            head.append(b"transfer-encoding: chunked\r\n")
+        if not self.keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        self._chunked = chunked
+        return b"".join(head)
+
+    def respond(self, status: int, headers: Any, body: bytes) -> None:
+        """A whole plain response at once, outside any task (proxy/fastpath.py): `headers` must
+        give its Content-Length. The cycle is complete after it."""
+        head = self._start(status, headers)
+        if not self.disconnected and not self.transport.is_closing():
+            self.transport.write(head + body)
+        self._complete()
 
     def _complete(self) -> None:
         self.response_complete = True

@@ -1,0 +1,267 @@
+"""Plain inference requests served in protocol callbacks, without a task (issue 17).
+
+The usual cycle of a request (proxy/server.py's LeanCycle running the app in a task, then
+proxy/inference.py awaiting the pick and the upstream exchange's futures and timers) cost about
+35 µs of CPU per request more than the same layers run in callbacks (loadtest/floor_routed.py):
+at 32 connections the production configuration reached 0.6-0.7x of vllm-router's throughput.
+For the common request (its body complete in the read that ended it, not streamed, no media, an
+idle pooled connection to the chosen replica, no prompt being computed there) `start` takes the
+same steps synchronously when the request's last byte arrives, and the answer goes out when the
+replica's last byte arrives: the same parse (`Call.resolve`), scheduler, attempt bookkeeping
+(`inference.Attempt`), answer (`forward.plain_answer`) and accounting (`inference.account`).
+
+Anything else goes on as the usual task from where it stands, so each rare case keeps one
+implementation: before a replica is leased, the whole request (it is parsed again); a scheduler
+that must wait (a full fleet, a LoRA adapter loading) is resumed in a task; with a lease,
+`inference.serve` from the lease (a connection to open) or from the failed first attempt
+(retries, the watchdog's verdict on a timeout). A client that leaves, a replica the watchdog cuts
+and the drain deadline reach the exchange through `cancel`, as they would cancel the task.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Coroutine
+
+from proxy import inference
+from proxy.errors import ProxyError
+from proxy.forward import UpstreamFailure, as_failure, plain_answer
+from proxy.http1 import Response, UpstreamError
+from proxy.inference import Attempt, Call
+from proxy.routing.scheduler import Lease
+from proxy.runtime import Runtime
+
+_SHUTTING_DOWN = ProxyError(503, "The proxy is shutting down; retry the request.", code="proxy_shutting_down",
+                            type="service_unavailable")
+
+
+def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
+    """Serve `cycle`'s request (its body complete) without a task if it is the common case, else
+    hand it to a task from where it stands. False: nothing was decided; run the app as usual."""
+    body = cycle.body
+    body = body[0] if len(body) == 1 else b"".join(body)
+    if len(body) > rt.max_body_bytes:
+        return False
+    call = Call(cycle.scope, endpoint, None, started)
+    try:
+        call.resolve(rt, body)
+    except ProxyError:
+        return False  # the usual path answers it
+    parsed, route = call.parsed, call.route
+    if parsed.stream or parsed.multimodal:
+        return False
+    if route.rewrite:  # type: ignore[union-attr]
+        call.body = inference.JSON_BODY.rewrite(parsed, body, route)
+    cycle.body.clear()
+    cycle.delivered = True
+    call.watch = cycle.arm()
+    decide = rt.scheduler.schedule(route, parsed)  # type: ignore[arg-type]
+    try:
+        waits_on = decide.send(None)
+    except StopIteration as done:
+        lease = done.value
+    except ProxyError:
+        decide.close()
+        call.watch.stop()
+        cycle.delivered = False
+        cycle.body.append(body)  # the usual path answers it (the 503 of a fleet with no healthy replica)
+        return False
+    else:  # the scheduler waits (for a slot, an adapter): the rest in a task
+        cycle.spawn(_app(inference.decide_and_serve(rt, call, cycle.send, _resume(decide, waits_on))))
+        return True
+    rt.retries.deposit()
+    if parsed.wait_for is not None:  # its prompt is being computed on that replica: wait in a task
+        cycle.spawn(_app(inference.serve(rt, call, cycle.send, lease)))
+        return True
+    backend = lease.backend
+    timeouts = route.timeouts or rt.upstream.server.timeouts  # type: ignore[union-attr]
+    request = backend.request_head(endpoint, len(call.body), call.rid) + call.body
+    loop = cycle.protocol.loop
+    now = loop.time()
+    response = rt.upstream.pool.start_pooled(backend.origin, request, timeouts, now)
+    if response is None:  # no idle connection: the task opens one
+        cycle.spawn(_app(inference.serve(rt, call, cycle.send, lease)))
+        return True
+    _Exchange(rt, call, cycle, lease, response, timeouts, now)
+    return True
+
+
+class _Exchange:
+    """The exchange with the leased replica, driven by the upstream connection's callbacks
+    (`Response.notify`); it stands in for the request's task (`cancel`)."""
+
+    __slots__ = ("rt", "call", "cycle", "lease", "attempt", "response", "timeouts", "timer", "deadline", "parts",
+                 "size", "over", "track", "headed")
+
+    def __init__(self, rt: Runtime, call: Call, cycle: Any, lease: Lease, response: Response, timeouts: Any,
+                 now: float) -> None:
+        self.rt = rt
+        self.call = call
+        self.cycle = cycle
+        self.lease = lease
+        self.attempt = attempt = Attempt(rt, call, lease)
+        self.response = response
+        self.timeouts = timeouts
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.over = False
+        self.deadline = now + timeouts.total
+        self.headed = False
+        self.track = rt.upstream.begin(lease.backend, attempt.progress, self)
+        cycle.task = self  # what a disconnect cancels
+        cycle.protocol.tasks.add(self)  # what the drain waits for
+        first = timeouts.first_byte
+        self.timer = cycle.protocol.loop.call_later(min(first, timeouts.total), self._expired,
+                                                    "the upstream did not answer in time" if first <= timeouts.total
+                                                    else "the upstream exceeded the total deadline")
+        response.notify = self._progress
+
+    # -- the replica's side --------------------------------------------------------------------
+    def _progress(self) -> None:
+        if self.over:
+            return
+        response = self.response
+        if response._error is not None:
+            self._failed(response._error)
+            return
+        if not response.status:
+            return  # (an interim 1xx answer; the first-byte timer runs on)
+        if not self.headed:
+            self.headed = True
+            self.track.beats += 1  # the watchdog's sign of life
+        data = response.take()
+        if data:
+            self.parts.append(data)
+            self.size += len(data)
+            limit = self.rt.upstream.pool.max_body_bytes
+            if limit is not None and self.size > limit:
+                self._failed(UpstreamError("protocol", f"the upstream's response body exceeds {limit} bytes"))
+                return
+        if not response.done:  # the head (or part of the body) came: the idle timer runs from now
+            self.timer.cancel()
+            loop = self.cycle.protocol.loop
+            left = self.deadline - loop.time()
+            idle = self.timeouts.idle
+            self.timer = loop.call_later(min(idle, max(left, 0.0)), self._expired,
+                                         "the upstream went silent mid-body" if idle <= left
+                                         else "the upstream exceeded the total deadline")
+            return
+        self._answered()
+
+    def _expired(self, what: str) -> None:
+        self.response._fail(UpstreamError("timeout", what))  # (notifies `_progress`)
+
+    def _answered(self) -> None:
+        rt, call, lease, attempt = self.rt, self.call, self.lease, self.attempt
+        response = self.response
+        parts = self.parts
+        payload = parts[0] if len(parts) == 1 else b"".join(parts)
+        backend, reason = lease.backend, lease.reason
+        try:
+            payload, headers = plain_answer(
+                response.status, response.content_type, payload, attempt.progress,
+                inference.response_headers(rt, call.id_header, backend, reason), call.route.rename, True,  # type: ignore[union-attr]
+            )
+        except UpstreamFailure as failure:  # a 502/503/504: another replica may take it
+            response.close()
+            self._end()
+            self._hand_over(inference.after_failure(rt, call, self.cycle.send, lease, attempt, failure))
+            return
+        self._end()
+        self.cycle.respond(response.status, headers, payload)
+        response.release()
+        attempt.answered(response.status)
+        self._close()
+        inference.account(rt, call, attempt.status, attempt.progress, attempt.series, backend, reason)
+
+    def _failed(self, error: UpstreamError) -> None:
+        response = self.response
+        response.close()
+        self._end()
+        if response.unsent:  # the pooled connection died before the write: nothing was sent
+            self._hand_over(inference.serve(self.rt, self.call, self.cycle.send, self.lease, begun=self.attempt))
+            return
+        self._hand_over(inference.after_failure(self.rt, self.call, self.cycle.send, self.lease, self.attempt,
+                                                as_failure(error)))
+
+    # -- the client's side ---------------------------------------------------------------------
+    def cancel(self, msg: Any = None) -> bool:
+        """What cancelling the request's task would do: the client left (`cycle.gone`), the
+        watchdog cut the replica (`progress.abort`: fail over), or the server is stopping."""
+        if self.over:
+            return False
+        self.response.close()  # the replica sees the disconnect and aborts the request
+        self._end(cancelled=True)
+        abort = self.attempt.progress.abort
+        if abort is not None and not self.cycle.gone:
+            failure = UpstreamFailure("down", 502, abort)
+            self._hand_over(inference.after_failure(self.rt, self.call, self.cycle.send, self.lease, self.attempt,
+                                                    failure))
+            return True
+        attempt = self.attempt
+        if self.cycle.gone:
+            attempt.gone(self.call.route)  # type: ignore[arg-type]
+            self._close()
+            inference.account(self.rt, self.call, attempt.status, attempt.progress, attempt.series,
+                              self.lease.backend, self.lease.reason)
+        else:  # the drain deadline: answered as the task's would be (proxy/server.py)
+            cycle = self.cycle
+            cycle.keep_alive = False
+            self._close()
+            body = _SHUTTING_DOWN.body()
+            cycle.respond(_SHUTTING_DOWN.status, [(b"content-type", b"application/json"),
+                                                  (b"content-length", b"%d" % len(body))], body)
+        return True
+
+    # -- the end ---------------------------------------------------------------------------------
+    def _end(self, cancelled: bool = False) -> None:
+        """The exchange is over (answered, failed or cut): no timer, off the watchdog's track and
+        the server's tasks (after this loop turn when cancelled: the canceller may be iterating them)."""
+        self.over = True
+        self.timer.cancel()
+        self.response.notify = None
+        progress = self.attempt.progress
+        self.track.active.discard(progress)
+        progress.task = None
+        protocol = self.cycle.protocol
+        if cancelled:
+            protocol.loop.call_soon(protocol.tasks.discard, self)
+        else:
+            protocol.tasks.discard(self)
+
+    def _close(self) -> None:
+        """The request is over: counted off its replica, its lease released, the cycle let go."""
+        self.attempt.end(self.lease)
+        self.lease.__exit__(None, None, None)
+        self.call.watch.stop()
+        self.cycle.detach()
+
+    def _hand_over(self, rest: Coroutine) -> None:
+        self.cycle.task = None
+        self.cycle.spawn(_app(rest))
+
+
+def _app(coroutine: Coroutine) -> Any:
+    """`coroutine` as the app a LeanCycle runs (which answers 500 or 503 for it if it fails)."""
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await coroutine
+
+    return app
+
+
+@types.coroutine
+def _resume(coroutine: Coroutine, waits_on: Any):
+    """Await a coroutine that was begun by hand (`send(None)`) and suspended on `waits_on`: the
+    task waits on that, and what it sends or throws goes on into the coroutine."""
+    while True:
+        try:
+            sent = yield waits_on
+        except BaseException as exc:  # noqa: BLE001 - thrown in by the task (a cancellation): the coroutine's to handle
+            try:
+                waits_on = coroutine.throw(exc)
+            except StopIteration as done:
+                return done.value
+        else:
+            try:
+                waits_on = coroutine.send(sent)
+            except StopIteration as done:
+                return done.value

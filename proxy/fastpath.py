@@ -11,15 +11,14 @@ replica's last byte arrives: the same parse (`Call.resolve`), scheduler, attempt
 (`inference.Attempt`), answer (`forward.plain_answer`) and accounting (`inference.account`).
 
 Anything else goes on as the usual task from where it stands, so each rare case keeps one
-implementation: before a replica is leased, the whole request (it is parsed again); a scheduler
-that must wait (a full fleet, a LoRA adapter loading) is resumed in a task; with a lease,
+implementation: before a replica is leased, the whole request (it is parsed again), also when
+the scheduler would wait (a full fleet, a LoRA adapter) or refuse (`Scheduler.schedule_now`);
 `inference.serve` from the lease (a connection to open) or from the failed first attempt
 (retries, the watchdog's verdict on a timeout). A client that leaves, a replica the watchdog cuts
 and the drain deadline reach the exchange through `cancel`, as they would cancel the task.
 """
 from __future__ import annotations
 
-import types
 from typing import Any, Coroutine
 
 from proxy import inference
@@ -36,7 +35,7 @@ _SHUTTING_DOWN = ProxyError(503, "The proxy is shutting down; retry the request.
 
 def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
     """Serve `cycle`'s request (its body complete) without a task if it is the common case, else
-    hand it to a task from where it stands. False: nothing was decided; run the app as usual."""
+    hand it to a task from where it stands. False: nothing was counted; run the app as usual."""
     body = cycle.body
     body = body[0] if len(body) == 1 else b"".join(body)
     if len(body) > rt.max_body_bytes:
@@ -51,23 +50,12 @@ def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
         return False
     if route.rewrite:  # type: ignore[union-attr]
         call.body = inference.JSON_BODY.rewrite(parsed, body, route)
+    lease = rt.scheduler.schedule_now(route, parsed)  # type: ignore[arg-type]
+    if lease is None:  # it would wait (for a slot, an adapter), or answer a 503: the usual path
+        return False
     cycle.body.clear()
     cycle.delivered = True
     call.watch = cycle.arm()
-    decide = rt.scheduler.schedule(route, parsed)  # type: ignore[arg-type]
-    try:
-        waits_on = decide.send(None)
-    except StopIteration as done:
-        lease = done.value
-    except ProxyError:
-        decide.close()
-        call.watch.stop()
-        cycle.delivered = False
-        cycle.body.append(body)  # the usual path answers it (the 503 of a fleet with no healthy replica)
-        return False
-    else:  # the scheduler waits (for a slot, an adapter): the rest in a task
-        cycle.spawn(_app(inference.decide_and_serve(rt, call, cycle.send, _resume(decide, waits_on))))
-        return True
     rt.retries.deposit()
     if parsed.wait_for is not None:  # its prompt is being computed on that replica: wait in a task
         cycle.spawn(_app(inference.serve(rt, call, cycle.send, lease)))
@@ -206,10 +194,10 @@ class _Exchange:
         else:  # the drain deadline: answered as the task's would be (proxy/server.py)
             cycle = self.cycle
             cycle.keep_alive = False
-            self._close()
             body = _SHUTTING_DOWN.body()
             cycle.respond(_SHUTTING_DOWN.status, [(b"content-type", b"application/json"),
                                                   (b"content-length", b"%d" % len(body))], body)
+            self._close()
         return True
 
     # -- the end ---------------------------------------------------------------------------------
@@ -246,22 +234,3 @@ def _app(coroutine: Coroutine) -> Any:
         await coroutine
 
     return app
-
-
-@types.coroutine
-def _resume(coroutine: Coroutine, waits_on: Any):
-    """Await a coroutine that was begun by hand (`send(None)`) and suspended on `waits_on`: the
-    task waits on that, and what it sends or throws goes on into the coroutine."""
-    while True:
-        try:
-            sent = yield waits_on
-        except BaseException as exc:  # noqa: BLE001 - thrown in by the task (a cancellation): the coroutine's to handle
-            try:
-                waits_on = coroutine.throw(exc)
-            except StopIteration as done:
-                return done.value
-        else:
-            try:
-                waits_on = coroutine.send(sent)
-            except StopIteration as done:
-                return done.value

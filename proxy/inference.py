@@ -6,7 +6,6 @@ import asyncio
 import itertools
 import os
 import time
-from typing import Awaitable
 
 import orjson
 
@@ -170,7 +169,25 @@ class Call:
 
 async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoint: str, spec: Spec | None = None) -> None:
     call = Call(scope, endpoint, spec, time.perf_counter())
-    await decide_and_serve(rt, call, send, _decide(rt, call, receive))
+    try:
+        lease = await _decide(rt, call, receive)
+    except ClientGone:
+        return
+    except asyncio.CancelledError:
+        if call.watch is None or not call.watch.gone:
+            raise
+        metrics = rt.metrics
+        deployment = _unrouted(rt, call.request_id, endpoint, call.route, CLIENT_CLOSED, call.started, key_name(scope))
+        metrics.child(metrics.disconnects, deployment, "before_first_byte").inc()
+        return
+    except ProxyError as err:
+        if call.watch is not None:
+            call.watch.stop()
+        await send_error(send, err, call.id_header)
+        _unrouted(rt, call.request_id, endpoint, call.route, str(err.status), call.started, key_name(scope))
+        return
+    rt.retries.deposit()
+    await serve(rt, call, send, lease)
 
 
 async def _decide(rt: Runtime, call: Call, receive: Receive) -> Lease:
@@ -190,37 +207,6 @@ async def _decide(rt: Runtime, call: Call, receive: Receive) -> Lease:
     # counted in flight from here: released by `with lease` in `serve` (no await in between)
     return await (rt.scheduler.schedule(route, parsed, call.trusted_only) if spec is None else
                   spec.choose(rt, route, parsed, call.trusted_only))
-
-
-async def decide_and_serve(rt: Runtime, call: Call, send: Send, decide: Awaitable[Lease]) -> None:
-    """Await the decision (`decide`, which may have begun outside this task: proxy/fastpath.py),
-    answering whatever stops it, then serve the request on its lease."""
-    endpoint, scope = call.endpoint, call.scope
-    try:
-        lease = await decide
-    except ClientGone:
-        return
-    except asyncio.CancelledError:
-        if call.watch is None or not call.watch.gone:
-            raise
-        unrouted_gone(rt, call)
-        return
-    except ProxyError as err:
-        if call.watch is not None:
-            call.watch.stop()
-        await send_error(send, err, call.id_header)
-        _unrouted(rt, call.request_id, endpoint, call.route, str(err.status), call.started, key_name(scope))
-        return
-    rt.retries.deposit()
-    await serve(rt, call, send, lease)
-
-
-def unrouted_gone(rt: Runtime, call: Call) -> None:
-    """The client left before its request reached a replica."""
-    metrics = rt.metrics
-    deployment = _unrouted(rt, call.request_id, call.endpoint, call.route, CLIENT_CLOSED, call.started,
-                           key_name(call.scope))
-    metrics.child(metrics.disconnects, deployment, "before_first_byte").inc()
 
 
 async def serve(rt: Runtime, call: Call, send: Send, lease: Lease, first: "Attempt | None" = None,

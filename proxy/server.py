@@ -34,6 +34,7 @@ import resource
 from typing import Any
 
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from proxy.asgi import DISCONNECT
@@ -75,6 +76,15 @@ _LINGER_S = 2.0  # after a refusal, read and discard this long so the client see
 # the rest).
 MAX_PIPELINED = 64
 _PIPELINE_FULL = (0, "", "")
+
+
+def in_callbacks_hook(app: Any) -> Any:
+    """The app's `serve_in_callbacks(cycle) -> bool` (proxy/app.py), or None. uvicorn's
+    X-Forwarded-* middleware is looked through: what it rewrites (the client address, the scheme)
+    is read by no inference request."""
+    if isinstance(app, ProxyHeadersMiddleware):
+        app = app.app
+    return getattr(app, "serve_in_callbacks", None)
 
 
 class _Refused(Exception):
@@ -121,6 +131,7 @@ class ProxyProtocol(HttpToolsProtocol):
         self._unsent_since = 0.0  # since when (0: the client is reading, or nothing is pending)
         self._idle_since = 0.0  # when the last answer completed, while the connection idles (0: it does not)
         self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
+        self._in_callbacks = in_callbacks_hook(self.app)
         if len(self.connections) > self._shed_threshold():
             self._shed()
 
@@ -253,8 +264,8 @@ class ProxyProtocol(HttpToolsProtocol):
             self._head_bytes += len(data)
         _feed(self, data)
         lean = self.lean
-        if lean is not None and lean.task is None and not lean.response_complete:
-            lean.spawn(self.app)  # its body is incomplete after this read: the task reads the rest
+        if lean is not None and lean.task is None and lean.size > HIGH_WATER_LIMIT and not lean.response_complete:
+            lean.spawn(self.app)  # a large body, reading paused: the task reads the rest (bounded)
         phase = self._phase
         if phase != _REST:
             if not self._since:
@@ -344,12 +355,20 @@ class ProxyProtocol(HttpToolsProtocol):
         scope["query_string"] = b""
         if version != "1.1":
             scope["http_version"] = version
-        # its task starts once the body is complete (or once a read leaves it incomplete): a plain
-        # request may be served in callbacks instead (`ProxyApp.serve_in_callbacks`, proxy/fastpath.py)
-        self.cycle = self.lean = LeanCycle(self, scope, version != "1.0" and self.parser.should_keep_alive())
+        # Its task starts once the body is complete, or at once for a declared body larger than
+        # HIGH_WATER_LIMIT, or once more than that is buffered of a chunked one (reading pauses; the
+        # task reads on, within the body limit, or refuses it before reading). A plain request may
+        # be served in callbacks instead (`ProxyApp.serve_in_callbacks`, proxy/fastpath.py). Until
+        # then the body timeout bounds a stall, and a client that leaves leaves nothing to cancel.
+        self.cycle = self.lean = cycle = LeanCycle(self, scope, version != "1.0" and self.parser.should_keep_alive())
+        for name, value in self.headers:
+            if name == b"content-length":
+                if not value.isdigit() or int(value) > HIGH_WATER_LIMIT:
+                    cycle.spawn(self.app)  # a large body: the task refuses it early or reads it bounded
+                break
 
     def _dispatch(self, cycle: "LeanCycle") -> None:
-        serve = getattr(self.app, "serve_in_callbacks", None)
+        serve = self._in_callbacks
         if serve is None or not serve(cycle):
             cycle.spawn(self.app)
 

@@ -115,15 +115,7 @@ class Scheduler:
         """A lease on the replica for this request, counted in flight; or the 503/429 why none."""
         lease = Lease(self, route, request, trusted_only, tried)
         filters = self.filters if trusted_only or tried else self._usual
-        while True:
-            candidates: Sequence[Backend] = route.backends
-            for f in filters:
-                kept = f.apply(candidates, lease)
-                if not kept and candidates and f.waits:
-                    break
-                candidates = kept
-            else:
-                break
+        while (candidates := self._candidates(route, lease, filters)) is None:
             await self.admission.wait()
         if route.adapter is None and self._plain:
             if not candidates:
@@ -151,6 +143,38 @@ class Scheduler:
             code="no_healthy_backend", type="service_unavailable",
             headers=[(b"retry-after", b"1"), (b"retry-after-ms", b"1000")],
         )
+
+    def _candidates(self, route: Route, lease: Lease, filters: Sequence) -> Sequence[Backend] | None:
+        """The replicas the filters leave; None when a filter that `waits` emptied the set (every
+        replica at its limit: the request waits for a slot)."""
+        candidates: Sequence[Backend] = route.backends
+        for f in filters:
+            kept = f.apply(candidates, lease)
+            if not kept and candidates and f.waits:
+                return None
+            candidates = kept
+        return candidates
+
+    def schedule_now(self, route: Route, request: "ParsedRequest") -> Lease | None:
+        """The lease `schedule` would give, when getting it waits for nothing: no LoRA adapter or
+        hook, a replica free, a pick that awaits nothing (every built-in one). None: nothing was
+        counted; `schedule` (in a task) decides instead (proxy/fastpath.py)."""
+        if route.adapter is not None or not self._plain:
+            return None
+        lease = Lease(self, route, request)
+        candidates = self._candidates(route, lease, self._usual)
+        if not candidates:
+            return None
+        pick = self.policy.pick(candidates, request, route)
+        try:
+            pick.send(None)
+        except StopIteration as done:
+            backend, reason = done.value
+        else:  # (a plugin's pick that awaits: abandoned before it counted anything, as a cancelled one)
+            pick.close()
+            return None
+        lease.acquire(backend, reason)
+        return lease
 
     def lease(self, route: Route, backend: Backend, reason: str, request: "ParsedRequest | None" = None) -> Lease:
         """A lease on a replica chosen outside the profile (a Responses API continuation must go

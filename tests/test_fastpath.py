@@ -1,0 +1,135 @@
+"""Plain requests served in protocol callbacks (proxy/fastpath.py): the same answers, failures,
+retries, disconnects and shutdowns as the task path. Each test first makes one request per
+replica so that a pooled connection is idle: only then is a request served in callbacks, and
+each test checks that it was (an `_Exchange` among the server's tasks while it is in flight)."""
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+
+import httpx
+
+from proxy.fastpath import _Exchange
+from tests.conftest import MODEL, Servers, eventually, sim_of
+from tests.support import held, sim_faults
+
+CHAT = "/v1/chat/completions"
+
+
+def body(content: str = "hello", max_tokens: int = 4) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+
+
+def in_callbacks(proxy) -> list[_Exchange]:
+    return [t for t in list(proxy.server.server_state.tasks) if isinstance(t, _Exchange)]
+
+
+def warm(proxy, sims) -> None:
+    """One request per replica: each then has an idle pooled connection."""
+    for _ in range(2 * len(sims)):
+        assert httpx.post(proxy.url + CHAT, json=body(), timeout=30).status_code == 200
+    pool = proxy.server.config.app.runtime.upstream.pool
+    assert eventually(lambda: sum(len(c) for c in pool._idle.values()) >= len(sims))
+
+
+def metrics(proxy) -> str:
+    return httpx.get(proxy.url + "/metrics").text
+
+
+def test_a_plain_request_is_answered_from_callbacks(servers: Servers) -> None:
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim, routing={"policy": "prefix_affinity"})
+    warm(proxy, [sim])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with held(sim.url):
+            pending = pool.submit(httpx.post, proxy.url + CHAT, json=body("callbacks"), timeout=30)
+            assert eventually(lambda: len(in_callbacks(proxy)) == 1)
+        resp = pending.result()
+    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"]
+    assert resp.headers["x-request-id"] and float(resp.headers["x-vllm-proxy-overhead-ms"]) >= 0
+    assert not in_callbacks(proxy)
+    app = proxy.server.config.app
+    assert all(b.in_flight == 0 for b in app.runtime.backends)
+    text = metrics(proxy)
+    assert f'vllm_proxy_requests_total{{backend="gpu-0",deployment="{MODEL}",endpoint="/v1/chat/completions",status_code="200"}} 3.0' in text
+    assert 'vllm_proxy_in_flight_requests{backend="gpu-0"} 0.0' in text
+
+
+def test_a_client_leaving_aborts_the_request_on_the_replica(servers: Servers) -> None:
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim)
+    warm(proxy, [sim])
+    payload = httpx.Request("POST", proxy.url + CHAT, json=body("leaving")).read()
+    with held(sim.url):
+        sock = socket.create_connection(("127.0.0.1", proxy.port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        assert eventually(lambda: len(in_callbacks(proxy)) == 1 and sim_of(sim).stats()["running"] == 1)
+        sock.close()
+        assert eventually(lambda: sim_of(sim).stats()["aborted"] == 1)
+    assert eventually(lambda: not in_callbacks(proxy))
+    app = proxy.server.config.app
+    assert all(b.in_flight == 0 for b in app.runtime.backends)
+    text = metrics(proxy)
+    assert f'vllm_proxy_client_disconnects_total{{deployment="{MODEL}",phase="before_first_byte"}} 1.0' in text
+    assert 'status_code="499"} 1.0' in text
+    assert httpx.post(proxy.url + CHAT, json=body(), timeout=30).status_code == 200
+
+
+def test_a_503_from_the_replica_is_retried_on_another(servers: Servers) -> None:
+    sims = [servers.sim(), servers.sim()]
+    proxy = servers.proxy_for(*sims, routing={"policy": "round_robin"})
+    warm(proxy, sims)
+    sim_faults(sims[0].url, error_rate=1.0, error_status=503)
+    for i in range(4):
+        resp = httpx.post(proxy.url + CHAT, json=body(f"retried {i}"), timeout=30)
+        assert resp.status_code == 200 and resp.headers["x-vllm-proxy-backend"] == "gpu-1"
+    assert 'vllm_proxy_retries_total{' in metrics(proxy)
+
+
+def test_a_hung_replica_is_cut_and_the_request_fails_over(servers: Servers) -> None:
+    sims = [servers.sim(), servers.sim()]
+    proxy = servers.proxy_for(*sims, routing={"policy": "round_robin"})
+    warm(proxy, sims)
+    with held(sims[0].url), held(sims[1].url), concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pending = [pool.submit(httpx.post, proxy.url + CHAT, json=body(f"q{i}"), timeout=120) for i in range(2)]
+        assert eventually(lambda: len(in_callbacks(proxy)) == 2
+                          and all(sim_of(s).stats()["running"] == 1 for s in sims), timeout=30)
+        sim_faults(sims[0].url, hang=True)
+        sim_faults(sims[1].url, hold=False, hold_only=[])
+        answers = [f.result() for f in pending]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert {a.headers["x-vllm-proxy-backend"] for a in answers} == {"gpu-1"}
+    sim_faults(sims[0].url, hang=False)
+
+
+def test_first_byte_timeout_is_a_504(servers: Servers) -> None:
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim, server={"timeouts": {"first_byte": 0.3}})
+    warm(proxy, [sim])
+    sim_faults(sim.url, poison="never answered")  # that request hangs; the replica stays healthy
+    resp = httpx.post(proxy.url + CHAT, json=body("never answered"), timeout=30)
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "upstream_timeout"
+    assert all(b.in_flight == 0 for b in proxy.server.config.app.runtime.backends)
+
+
+def test_an_answer_over_the_response_limit_is_a_502(servers: Servers) -> None:
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim, server={"max_response_bytes": 1000})
+    warm(proxy, [sim])
+    resp = httpx.post(proxy.url + CHAT, json={**body("long", max_tokens=400), "ignore_eos": True}, timeout=30)
+    assert resp.status_code == 502 and "exceeds 1000 bytes" in resp.json()["error"]["message"]
+    assert httpx.post(proxy.url + CHAT, json=body(), timeout=30).status_code == 200
+
+
+def test_shutdown_deadline_answers_503(servers: Servers) -> None:
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim)
+    warm(proxy, [sim])
+    with held(sim.url), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, proxy.url + CHAT, json=body("at shutdown"), timeout=60)
+        assert eventually(lambda: len(in_callbacks(proxy)) == 1)
+        proxy.server.should_exit = True  # uvicorn's shutdown cancels what is left at its deadline
+        resp = pending.result()
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "proxy_shutting_down"
+    assert resp.headers["connection"] == "close"

@@ -7,7 +7,9 @@ costs a second task per request, blocked in `receive()`. For POST /v1/chat/compl
 /v1/completions and /v1/embeddings, `ProxyProtocol` runs the app with `LeanCycle` instead: the
 same ASGI scope, receive and send, but a plain response leaves in one write (head and body),
 headers are trusted (the proxy builds them), and the client's disconnect
-cancels the request task directly (`scope[DISCONNECT].arm()`, see proxy/inference.py).
+cancels the request task directly (`scope[DISCONNECT].arm()`, see proxy/inference.py). The task
+starts only once the body is complete: a plain request may be served without one, in callbacks
+(the app's `serve_in_callbacks`, proxy/fastpath.py), with `LeanCycle.respond` writing its answer.
 
 Everything else (other paths, pipelined requests, `Expect: 100-continue`, upgrades, keep-alive,
 flow control, graceful shutdown) stays uvicorn's. Use it with `uvicorn.Config(http=ProxyProtocol)`

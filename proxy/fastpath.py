@@ -77,8 +77,8 @@ class _Exchange:
     """The exchange with the leased replica, driven by the upstream connection's callbacks
     (`Response.notify`); it stands in for the request's task (`cancel`)."""
 
-    __slots__ = ("rt", "call", "cycle", "lease", "attempt", "response", "timeouts", "timer", "deadline", "parts",
-                 "size", "over", "track", "headed")
+    __slots__ = ("rt", "call", "cycle", "lease", "attempt", "response", "timeouts", "bucket", "what", "deadline",
+                 "parts", "size", "over", "track", "headed")
 
     def __init__(self, rt: Runtime, call: Call, cycle: Any, lease: Lease, response: Response, timeouts: Any,
                  now: float) -> None:
@@ -98,9 +98,8 @@ class _Exchange:
         cycle.task = self  # what a disconnect cancels
         cycle.protocol.tasks.add(self)  # what the drain waits for
         first = timeouts.first_byte
-        self.timer = cycle.protocol.loop.call_later(min(first, timeouts.total), self._expired,
-                                                    "the upstream did not answer in time" if first <= timeouts.total
-                                                    else "the upstream exceeded the total deadline")
+        self.bucket = None
+        self._expire_in(first, now, "the upstream did not answer in time")
         response.notify = self._progress
 
     # -- the replica's side --------------------------------------------------------------------
@@ -124,19 +123,22 @@ class _Exchange:
             if limit is not None and self.size > limit:
                 self._failed(UpstreamError("protocol", f"the upstream's response body exceeds {limit} bytes"))
                 return
-        if not response.done:  # the head (or part of the body) came: the idle timer runs from now
-            self.timer.cancel()
-            loop = self.cycle.protocol.loop
-            left = self.deadline - loop.time()
-            idle = self.timeouts.idle
-            self.timer = loop.call_later(min(idle, max(left, 0.0)), self._expired,
-                                         "the upstream went silent mid-body" if idle <= left
-                                         else "the upstream exceeded the total deadline")
+        if not response.done:  # the head (or part of the body) came: the idle timeout runs from now
+            self._expire_in(self.timeouts.idle, self.cycle.protocol.loop.time(), "the upstream went silent mid-body")
             return
         self._answered()
 
-    def _expired(self, what: str) -> None:
-        self.response._fail(UpstreamError("timeout", what))  # (notifies `_progress`)
+    def _expire_in(self, seconds: float, now: float, what: str) -> None:
+        """Time the exchange out `seconds` from `now`, or at the total deadline if that is sooner."""
+        if now + seconds > self.deadline:
+            seconds, what = self.deadline - now, "the upstream exceeded the total deadline"
+        if self.bucket is not None:
+            self.bucket.discard(self)
+        self.what = what
+        self.bucket = _deadlines(self.cycle.protocol).add(self, now + seconds)
+
+    def expired(self) -> None:
+        self.response._fail(UpstreamError("timeout", self.what))  # (notifies `_progress`)
 
     def _answered(self) -> None:
         rt, call, lease, attempt = self.rt, self.call, self.lease, self.attempt
@@ -205,7 +207,7 @@ class _Exchange:
         """The exchange is over (answered, failed or cut): no timer, off the watchdog's track and
         the server's tasks (after this loop turn when cancelled: the canceller may be iterating them)."""
         self.over = True
-        self.timer.cancel()
+        self.bucket.discard(self)
         self.response.notify = None
         progress = self.attempt.progress
         self.track.active.discard(progress)
@@ -234,3 +236,38 @@ def _app(coroutine: Coroutine) -> Any:
         await coroutine
 
     return app
+
+
+class _Deadlines:
+    """The exchanges' timeouts, in buckets of 1/16 s with one loop timer per bucket: a timer per
+    request (call_later, then cancel) cost ~2 % of a request's CPU. A timeout fires up to one
+    bucket (62.5 ms) late."""
+
+    __slots__ = ("loop", "buckets")
+    PER_S = 16
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+        self.buckets: dict[int, set] = {}
+
+    def add(self, exchange: _Exchange, at: float) -> set:
+        key = int(at * self.PER_S) + 1
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = set()
+            self.loop.call_at(key / self.PER_S, self._fire, key)
+        bucket.add(exchange)
+        return bucket
+
+    def _fire(self, key: int) -> None:
+        for exchange in list(self.buckets.pop(key, ())):
+            exchange.expired()
+
+
+def _deadlines(protocol: Any) -> _Deadlines:
+    """The deadlines of the protocol's server (one per event loop)."""
+    state = protocol.server_state
+    found = getattr(state, "fastpath_deadlines", None)
+    if found is None:
+        found = state.fastpath_deadlines = _Deadlines(protocol.loop)
+    return found

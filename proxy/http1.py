@@ -199,7 +199,8 @@ class _Connection(asyncio.Protocol):
 
     def start(self, request: bytes, idle_timeout: float, deadline: float) -> Response:
         self.response = response = Response(self, idle_timeout, deadline)
-        self.parser = httptools.HttpResponseParser(self)
+        if self.parser is None:  # (a pooled connection's parser stands between two responses)
+            self.parser = httptools.HttpResponseParser(self)
         self._interim = self._framed = False
         self._head_bytes = 0
         if self.transport.is_closing():

@@ -19,6 +19,7 @@ and the drain deadline reach the exchange through `cancel`, as they would cancel
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Coroutine
 
 from proxy import inference
@@ -135,7 +136,7 @@ class _Exchange:
         if self.bucket is not None:
             self.bucket.discard(self)
         self.what = what
-        self.bucket = _deadlines(self.cycle.protocol).add(self, now + seconds)
+        self.bucket = _deadlines(self.cycle.protocol).add(self, now + seconds, seconds)
 
     def expired(self) -> None:
         self.response._fail(UpstreamError("timeout", self.what))  # (notifies `_progress`)
@@ -239,27 +240,28 @@ def _app(coroutine: Coroutine) -> Any:
 
 
 class _Deadlines:
-    """The exchanges' timeouts, in buckets of 1/16 s with one loop timer per bucket: a timer per
-    request (call_later, then cancel) cost ~2 % of a request's CPU. A timeout fires up to one
-    bucket (62.5 ms) late."""
+    """The exchanges' timeouts in buckets, one loop timer per bucket: a timer per request
+    (call_later, then cancel) cost ~2 % of a request's CPU. A bucket spans 1/16 s, or for a
+    timeout over 16 s the power of two nearest above 1/256 of it: a timeout fires up to that late,
+    and a timeout of T seconds keeps at most ~256 buckets pending (not 16 per second of it)."""
 
     __slots__ = ("loop", "buckets")
-    PER_S = 16
 
     def __init__(self, loop: Any) -> None:
         self.loop = loop
-        self.buckets: dict[int, set] = {}
+        self.buckets: dict[tuple[float, int], set] = {}
 
-    def add(self, exchange: _Exchange, at: float) -> set:
-        key = int(at * self.PER_S) + 1
+    def add(self, exchange: _Exchange, at: float, seconds: float) -> set:
+        step = 0.0625 if seconds <= 16.0 else 2.0 ** math.ceil(math.log2(seconds / 256.0))
+        key = (step, int(at / step) + 1)
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = set()
-            self.loop.call_at(key / self.PER_S, self._fire, key)
+            self.loop.call_at(key[1] * step, self._fire, key)
         bucket.add(exchange)
         return bucket
 
-    def _fire(self, key: int) -> None:
+    def _fire(self, key: tuple[float, int]) -> None:
         for exchange in list(self.buckets.pop(key, ())):
             exchange.expired()
 

@@ -18,7 +18,7 @@ import sys
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
-from proxy.server import refuse_unsupported
+from proxy.server import cancel, refuse_unsupported
 
 log = logging.getLogger("vllm_proxy")
 
@@ -46,6 +46,9 @@ class DrainingServer(uvicorn.Server):
         log.info("draining: %d request(s) in flight, deadline in %g s",
                  len(state.tasks), self.config.timeout_graceful_shutdown)
         for connection in list(state.connections):
+            start_pending = getattr(connection, "start_pending", None)
+            if start_pending is not None:
+                start_pending()  # (a request whose body is still arriving: waited for too)
             connection.shutdown()  # idle keep-alive connections close now, busy ones after their response
         while state.tasks and not self.force_exit and loop.time() < deadline:
             await asyncio.sleep(_POLL_S)
@@ -59,7 +62,7 @@ class DrainingServer(uvicorn.Server):
         if tasks:
             log.warning("drain deadline passed: ending %d request(s) still in flight", len(tasks))
             for task in tasks:  # (a request served in callbacks, proxy/fastpath.py, answers at once)
-                task.cancel(msg="drain deadline passed")
+                cancel(task, "drain deadline passed")
             futures = [task for task in tasks if isinstance(task, asyncio.Future)]
             if futures:
                 await asyncio.wait(futures, timeout=_CUT_GRACE_S)

@@ -19,6 +19,7 @@ and the drain deadline reach the exchange through `cancel`, as they would cancel
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Coroutine
 
@@ -30,6 +31,8 @@ from proxy.inference import Attempt, Call
 from proxy.routing.scheduler import Lease
 from proxy.runtime import Runtime
 
+log = logging.getLogger("vllm_proxy")
+_INTERNAL = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
 _SHUTTING_DOWN = ProxyError(503, "The proxy is shutting down; retry the request.", code="proxy_shutting_down",
                             type="service_unavailable")
 
@@ -54,13 +57,28 @@ def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
     lease = rt.scheduler.schedule_now(route, parsed)  # type: ignore[arg-type]
     if lease is None:  # it would wait (for a slot, an adapter), or answer a 503: the usual path
         return False
-    cycle.body.clear()
-    cycle.delivered = True
+    cycle.take_body()  # (read already: `body`)
     call.watch = cycle.arm()
+    try:
+        _begin(rt, call, cycle, lease, endpoint)
+    except Exception:  # noqa: BLE001 - a bug: answered as the task path answers one (500), never left hanging
+        log.exception("a plain request served in callbacks failed")
+        exchange = cycle.task
+        if isinstance(exchange, _Exchange):
+            exchange._crash()
+        elif exchange is None:
+            lease.__exit__(None, None, None)
+            _internal_error(cycle)
+            cycle.detach()
+    return True
+
+
+def _begin(rt: Runtime, call: Call, cycle: Any, lease: Lease, endpoint: str) -> None:
+    parsed, route = call.parsed, call.route
     rt.retries.deposit()
     if parsed.wait_for is not None:  # its prompt is being computed on that replica: wait in a task
         cycle.spawn(_app(inference.serve(rt, call, cycle.send, lease)))
-        return True
+        return
     backend = lease.backend
     timeouts = route.timeouts or rt.upstream.server.timeouts  # type: ignore[union-attr]
     request = backend.request_head(endpoint, len(call.body), call.rid) + call.body
@@ -69,9 +87,18 @@ def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
     response = rt.upstream.pool.start_pooled(backend.origin, request, timeouts, now)
     if response is None:  # no idle connection: the task opens one
         cycle.spawn(_app(inference.serve(rt, call, cycle.send, lease)))
-        return True
+        return
     _Exchange(rt, call, cycle, lease, response, timeouts, now)
-    return True
+
+
+def _internal_error(cycle: Any) -> None:
+    """A 500, closing the connection, unless the client got an answer or left."""
+    if cycle._started or cycle.gone or cycle.response_complete:
+        return
+    cycle.keep_alive = False
+    body = _INTERNAL.body()
+    cycle.respond(_INTERNAL.status, [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
+                  body)
 
 
 class _Exchange:
@@ -79,7 +106,7 @@ class _Exchange:
     (`Response.notify`); it stands in for the request's task (`cancel`)."""
 
     __slots__ = ("rt", "call", "cycle", "lease", "attempt", "response", "timeouts", "bucket", "what", "deadline",
-                 "parts", "size", "over", "track", "headed")
+                 "parts", "size", "over", "closed", "track", "headed")
 
     def __init__(self, rt: Runtime, call: Call, cycle: Any, lease: Lease, response: Response, timeouts: Any,
                  now: float) -> None:
@@ -93,18 +120,34 @@ class _Exchange:
         self.parts: list[bytes] = []
         self.size = 0
         self.over = False
+        self.closed = False
+        self.bucket = None
         self.deadline = now + timeouts.total
         self.headed = False
         self.track = rt.upstream.begin(lease.backend, attempt.progress, self)
         cycle.task = self  # what a disconnect cancels
         cycle.protocol.tasks.add(self)  # what the drain waits for
-        first = timeouts.first_byte
-        self.bucket = None
-        self._expire_in(first, now, "the upstream did not answer in time")
+        self._expire_in(timeouts.first_byte, now, "the upstream did not answer in time")
         response.notify = self._progress
 
     # -- the replica's side --------------------------------------------------------------------
     def _progress(self) -> None:
+        try:
+            self._step()
+        except Exception:  # noqa: BLE001 - a bug: answered as the task path answers one (500), never left hanging
+            log.exception("a plain request served in callbacks failed")
+            self._crash()
+
+    def _crash(self) -> None:
+        if not self.over:
+            self.response.close()
+            self._end()
+        if not self.closed:
+            if self.cycle.protocol is not None:
+                _internal_error(self.cycle)
+            self._close()
+
+    def _step(self) -> None:
         if self.over:
             return
         response = self.response
@@ -136,7 +179,7 @@ class _Exchange:
         if self.bucket is not None:
             self.bucket.discard(self)
         self.what = what
-        self.bucket = _deadlines(self.cycle.protocol).add(self, now + seconds, seconds)
+        self.bucket = None if seconds == math.inf else _deadlines(self.cycle.protocol).add(self, now + seconds, seconds)
 
     def expired(self) -> None:
         self.response._fail(UpstreamError("timeout", self.what))  # (notifies `_progress`)
@@ -208,7 +251,8 @@ class _Exchange:
         """The exchange is over (answered, failed or cut): no timer, off the watchdog's track and
         the server's tasks (after this loop turn when cancelled: the canceller may be iterating them)."""
         self.over = True
-        self.bucket.discard(self)
+        if self.bucket is not None:
+            self.bucket.discard(self)
         self.response.notify = None
         progress = self.attempt.progress
         self.track.active.discard(progress)
@@ -221,6 +265,7 @@ class _Exchange:
 
     def _close(self) -> None:
         """The request is over: counted off its replica, its lease released, the cycle let go."""
+        self.closed = True
         self.attempt.end(self.lease)
         self.lease.__exit__(None, None, None)
         self.call.watch.stop()

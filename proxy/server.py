@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import resource
 from typing import Any
@@ -78,6 +79,15 @@ _LINGER_S = 2.0  # after a refusal, read and discard this long so the client see
 # the rest).
 MAX_PIPELINED = 64
 _PIPELINE_FULL = (0, "", "")
+
+
+def cancel(task: Any, msg: Any = None) -> None:
+    """Cancel a request's task; one that has not run its first step yet is cancelled right after
+    it (cancelled before, its coroutine would never run, nor the cleanup in its `finally`)."""
+    if isinstance(task, asyncio.Task) and inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CREATED:
+        asyncio.get_running_loop().call_soon(task.cancel, msg)
+    else:
+        task.cancel(msg)
 
 
 def in_callbacks_hook(app: Any) -> Any:
@@ -363,11 +373,20 @@ class ProxyProtocol(HttpToolsProtocol):
         # be served in callbacks instead (`ProxyApp.serve_in_callbacks`, proxy/fastpath.py). Until
         # then the body timeout bounds a stall, and a client that leaves leaves nothing to cancel.
         self.cycle = self.lean = cycle = LeanCycle(self, scope, version != "1.0" and self.parser.should_keep_alive())
+        if getattr(self.server_state, "draining", False):
+            cycle.spawn(self.app)  # draining (proxy/drain.py) waits for tasks: this is one from its start
+            return
         for name, value in self.headers:
             if name == b"content-length":
                 if not value.isdigit() or int(value) > HIGH_WATER_LIMIT:
                     cycle.spawn(self.app)  # a large body: the task refuses it early or reads it bounded
                 break
+
+    def start_pending(self) -> None:
+        """A request whose body is still arriving gets its task now (the drain waits for tasks)."""
+        lean = self.lean
+        if lean is not None and lean.task is None and not lean.response_complete:
+            lean.spawn(self.app)
 
     def _dispatch(self, cycle: "LeanCycle") -> None:
         serve = self._in_callbacks
@@ -436,7 +455,7 @@ class LeanCycle:
         """The protocol's `message_event.set()`: after connection_lost, this is the disconnect."""
         if self.disconnected and self.armed and not self.gone:
             self.gone = True
-            self.task.cancel()  # type: ignore[union-attr]
+            cancel(self.task)
         self.wake()
 
     def wake(self) -> None:
@@ -514,17 +533,21 @@ class LeanCycle:
                 await self._wait()
             if self.disconnected or self.response_complete:
                 return _DISCONNECT_MESSAGE
-            body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-            self.body.clear()
-            if self.size > HIGH_WATER_LIMIT:
-                self.flow.resume_reading()
-            self.size = 0
-            self.delivered = not self.more_body
-            return {"type": "http.request", "body": body, "more_body": self.more_body}
+            return {"type": "http.request", "body": self.take_body(), "more_body": self.more_body}
         # Body read: like uvicorn, answer "disconnect" once the response is done or the client left.
         while not (self.disconnected or self.response_complete):
             await self._wait()
         return _DISCONNECT_MESSAGE
+
+    def take_body(self) -> bytes:
+        """The body bytes buffered so far, handed over (reading resumed if they had paused it)."""
+        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        self.body.clear()
+        if self.size > HIGH_WATER_LIMIT:
+            self.flow.resume_reading()
+        self.size = 0
+        self.delivered = not self.more_body
+        return body
 
     async def _wait(self) -> None:
         self._waiter = asyncio.get_running_loop().create_future()

@@ -5,7 +5,11 @@ each test checks that it was (an `_Exchange` among the server's tasks while it i
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import signal
 import socket
+import threading
+from pathlib import Path
 
 import httpx
 
@@ -133,3 +137,88 @@ def test_shutdown_deadline_answers_503(servers: Servers) -> None:
         resp = pending.result()
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "proxy_shutting_down"
     assert resp.headers["connection"] == "close"
+
+
+def raw_request(payload: bytes, chunked: bool = False) -> bytes:
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    if chunked:
+        return head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)
+    return head + b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+
+
+def test_a_reset_and_a_disconnect_in_one_turn_release_everything(servers: Servers) -> None:
+    """The replica's connection resets and the client leaves in the same loop turn: the task that
+    takes the failure over is cancelled before its first step, which must not skip its cleanup."""
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim)
+    warm(proxy, [sim])
+    app = proxy.server.config.app
+    with held(sim.url):
+        sock = socket.create_connection(("127.0.0.1", proxy.port))
+        sock.sendall(raw_request(json.dumps(body("both")).encode()))
+        assert eventually(lambda: len(in_callbacks(proxy)) == 1 and sim_of(sim).stats()["running"] == 1)
+        [exchange] = in_callbacks(proxy)
+        done = threading.Event()
+
+        def both() -> None:
+            exchange.response._conn.transport.abort()
+            exchange.cycle.protocol.transport.abort()
+            done.set()
+
+        exchange.cycle.protocol.loop.call_soon_threadsafe(both)
+        assert done.wait(30)
+        assert eventually(lambda: not proxy.server.server_state.tasks)
+        assert eventually(lambda: all(b.in_flight == 0 for b in app.runtime.backends))
+    assert 'vllm_proxy_in_flight_requests{backend="gpu-0"} 0.0' in metrics(proxy)
+
+
+def test_a_large_chunked_body_still_sees_the_client_leave(servers: Servers) -> None:
+    """Over 64 KiB of body pauses reading the client; served in callbacks, reading must resume,
+    or a client that leaves goes unnoticed while the replica computes for nobody."""
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim)
+    warm(proxy, [sim])
+    payload = json.dumps(body("padded")).encode() + b" " * 70_000  # (JSON whitespace: a short prompt)
+    with held(sim.url):
+        sock = socket.create_connection(("127.0.0.1", proxy.port))
+        sock.sendall(raw_request(payload, chunked=True))
+        assert eventually(lambda: len(in_callbacks(proxy)) == 1 and sim_of(sim).stats()["running"] == 1)
+        sock.close()
+        assert eventually(lambda: sim_of(sim).stats()["aborted"] == 1)
+
+
+def test_infinite_timeouts(servers: Servers) -> None:
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim, server={"timeouts": {"first_byte": float("inf"), "total": float("inf")}})
+    warm(proxy, [sim])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with held(sim.url):
+            pending = pool.submit(httpx.post, proxy.url + CHAT, json=body("no deadline"), timeout=30)
+            assert eventually(lambda: len(in_callbacks(proxy)) == 1)
+        assert pending.result().status_code == 200
+
+
+def test_drain_waits_for_a_body_still_arriving(servers: Servers, tmp_path: Path) -> None:
+    """A request whose body is still arriving when SIGTERM comes is waited for and answered (a 503
+    at the deadline here), whether its head was read before the drain began or after."""
+    from tests.test_drain import serve
+
+    proc, url = serve(tmp_path, [servers.sim()], drain_timeout_s=1)
+    try:
+        request = raw_request(json.dumps(body("late body")).encode())
+        sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        sock.sendall(request[:-10])  # the head and most of the body
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        sock.settimeout(30)
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+        assert b"proxy_shutting_down" in answer
+    finally:
+        proc.kill()
+        proc.wait()

@@ -26,22 +26,18 @@ from typing import Any, Coroutine
 from proxy import inference
 from proxy.errors import ProxyError
 from proxy.forward import UpstreamFailure, as_failure, plain_answer
-from proxy.http1 import Response, UpstreamError
+from proxy.http1 import Response, UpstreamError, body_too_large
 from proxy.inference import Attempt, Call
 from proxy.routing.scheduler import Lease
 from proxy.runtime import Runtime
 
 log = logging.getLogger("vllm_proxy")
-_INTERNAL = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
-_SHUTTING_DOWN = ProxyError(503, "The proxy is shutting down; retry the request.", code="proxy_shutting_down",
-                            type="service_unavailable")
 
 
 def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
     """Serve `cycle`'s request (its body complete) without a task if it is the common case, else
     hand it to a task from where it stands. False: nothing was counted; run the app as usual."""
-    body = cycle.body
-    body = body[0] if len(body) == 1 else b"".join(body)
+    body = cycle.peek_body()
     if len(body) > rt.max_body_bytes:
         return False
     call = Call(cycle.scope, endpoint, None, started)
@@ -57,7 +53,7 @@ def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
     lease = rt.scheduler.schedule_now(route, parsed)  # type: ignore[arg-type]
     if lease is None:  # it would wait (for a slot, an adapter), or answer a 503: the usual path
         return False
-    cycle.take_body()  # (read already: `body`)
+    cycle.take_body()  # (`body`: peeked already)
     call.watch = cycle.arm()
     try:
         _begin(rt, call, cycle, lease, endpoint)
@@ -68,7 +64,7 @@ def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
             exchange._crash()
         elif exchange is None:
             lease.__exit__(None, None, None)
-            _internal_error(cycle)
+            cycle.finish_unanswered()
             cycle.detach()
     return True
 
@@ -76,29 +72,17 @@ def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
 def _begin(rt: Runtime, call: Call, cycle: Any, lease: Lease, endpoint: str) -> None:
     parsed, route = call.parsed, call.route
     rt.retries.deposit()
-    if parsed.wait_for is not None:  # its prompt is being computed on that replica: wait in a task
-        cycle.spawn(_app(inference.serve(rt, call, cycle.send, lease)))
-        return
-    backend = lease.backend
-    timeouts = route.timeouts or rt.upstream.server.timeouts  # type: ignore[union-attr]
-    request = backend.request_head(endpoint, len(call.body), call.rid) + call.body
-    loop = cycle.protocol.loop
-    now = loop.time()
-    response = rt.upstream.pool.start_pooled(backend.origin, request, timeouts, now)
-    if response is None:  # no idle connection: the task opens one
+    response = None
+    if parsed.wait_for is None:  # (else its prompt is being computed on that replica: wait in a task)
+        backend = lease.backend
+        timeouts = route.timeouts or rt.upstream.server.timeouts  # type: ignore[union-attr]
+        request = backend.request_head(endpoint, len(call.body), call.rid) + call.body
+        now = cycle.protocol.loop.time()
+        response = rt.upstream.pool.start_pooled(backend.origin, request, timeouts, now)
+    if response is None:  # (or no idle connection: the task opens one)
         cycle.spawn(_app(inference.serve(rt, call, cycle.send, lease)))
         return
     _Exchange(rt, call, cycle, lease, response, timeouts, now)
-
-
-def _internal_error(cycle: Any) -> None:
-    """A 500, closing the connection, unless the client got an answer or left."""
-    if cycle._started or cycle.gone or cycle.response_complete:
-        return
-    cycle.keep_alive = False
-    body = _INTERNAL.body()
-    cycle.respond(_INTERNAL.status, [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
-                  body)
 
 
 class _Exchange:
@@ -144,7 +128,7 @@ class _Exchange:
             self._end()
         if not self.closed:
             if self.cycle.protocol is not None:
-                _internal_error(self.cycle)
+                self.cycle.finish_unanswered()
             self._close()
 
     def _step(self) -> None:
@@ -165,7 +149,7 @@ class _Exchange:
             self.size += len(data)
             limit = self.rt.upstream.pool.max_body_bytes
             if limit is not None and self.size > limit:
-                self._failed(UpstreamError("protocol", f"the upstream's response body exceeds {limit} bytes"))
+                self._failed(body_too_large(limit))
                 return
         if not response.done:  # the head (or part of the body) came: the idle timeout runs from now
             self._expire_in(self.timeouts.idle, self.cycle.protocol.loop.time(), "the upstream went silent mid-body")
@@ -198,7 +182,7 @@ class _Exchange:
         except UpstreamFailure as failure:  # a 502/503/504: another replica may take it
             response.close()
             self._end()
-            self._hand_over(inference.after_failure(rt, call, self.cycle.send, lease, attempt, failure))
+            self._fail_over(failure)
             return
         self._end()
         self.cycle.respond(response.status, headers, payload)
@@ -214,8 +198,7 @@ class _Exchange:
         if response.unsent:  # the pooled connection died before the write: nothing was sent
             self._hand_over(inference.serve(self.rt, self.call, self.cycle.send, self.lease, begun=self.attempt))
             return
-        self._hand_over(inference.after_failure(self.rt, self.call, self.cycle.send, self.lease, self.attempt,
-                                                as_failure(error)))
+        self._fail_over(as_failure(error))
 
     # -- the client's side ---------------------------------------------------------------------
     def cancel(self, msg: Any = None) -> bool:
@@ -227,9 +210,7 @@ class _Exchange:
         self._end(cancelled=True)
         abort = self.attempt.progress.abort
         if abort is not None and not self.cycle.gone:
-            failure = UpstreamFailure("down", 502, abort)
-            self._hand_over(inference.after_failure(self.rt, self.call, self.cycle.send, self.lease, self.attempt,
-                                                    failure))
+            self._fail_over(UpstreamFailure("down", 502, abort))
             return True
         attempt = self.attempt
         if self.cycle.gone:
@@ -238,11 +219,7 @@ class _Exchange:
             inference.account(self.rt, self.call, attempt.status, attempt.progress, attempt.series,
                               self.lease.backend, self.lease.reason)
         else:  # the drain deadline: answered as the task's would be (proxy/server.py)
-            cycle = self.cycle
-            cycle.keep_alive = False
-            body = _SHUTTING_DOWN.body()
-            cycle.respond(_SHUTTING_DOWN.status, [(b"content-type", b"application/json"),
-                                                  (b"content-length", b"%d" % len(body))], body)
+            self.cycle.finish_unanswered(cancelled=True)
             self._close()
         return True
 
@@ -270,6 +247,10 @@ class _Exchange:
         self.lease.__exit__(None, None, None)
         self.call.watch.stop()
         self.cycle.detach()
+
+    def _fail_over(self, failure: UpstreamFailure) -> None:
+        """Nothing reached the client: the rest (the failure's bookkeeping, a retry) in a task."""
+        self._hand_over(inference.after_failure(self.rt, self.call, self.cycle.send, self.lease, self.attempt, failure))
 
     def _hand_over(self, rest: Coroutine) -> None:
         self.cycle.task = None

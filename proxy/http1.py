@@ -155,7 +155,7 @@ class Response:
             parts.append(chunk)
             size += len(chunk)
             if limit is not None and size > limit:
-                raise UpstreamError("protocol", f"the upstream's response body exceeds {limit} bytes")
+                raise body_too_large(limit)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def close(self) -> None:
@@ -169,6 +169,10 @@ class Response:
             conn.pool._put(conn)
         else:
             conn.abort()
+
+
+def body_too_large(limit: int) -> UpstreamError:
+    return UpstreamError("protocol", f"the upstream's response body exceeds {limit} bytes")
 
 
 def _expire(waiter: asyncio.Future, what: str) -> None:

@@ -50,6 +50,9 @@ LEAN_PATHS = frozenset(
                          "/chat/completions", "/completions", "/embeddings")
 )
 _DISCONNECT_MESSAGE = {"type": "http.disconnect"}
+_INTERNAL = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
+_SHUTTING_DOWN = ProxyError(503, "The proxy is shutting down; retry the request.", code="proxy_shutting_down",
+                            type="service_unavailable")
 _feed = HttpToolsProtocol.data_received  # called directly: super() costs per read
 
 
@@ -275,9 +278,8 @@ class ProxyProtocol(HttpToolsProtocol):
         if phase == _HEAD:
             self._head_bytes += len(data)
         _feed(self, data)
-        lean = self.lean
-        if lean is not None and lean.task is None and lean.size > HIGH_WATER_LIMIT and not lean.response_complete:
-            lean.spawn(self.app)  # a large body, reading paused: the task reads the rest (bounded)
+        if self.lean is not None and self.lean.size > HIGH_WATER_LIMIT:
+            self.start_pending()  # a large body, reading paused: the task reads the rest (bounded)
         phase = self._phase
         if phase != _REST:
             if not self._since:
@@ -491,11 +493,11 @@ class LeanCycle:
             cancelled = isinstance(exc, asyncio.CancelledError)
             if not cancelled:
                 log.error("exception in the request handler", exc_info=exc)
-            await self._finish_for_the_app(cancelled)
+            self.finish_unanswered(cancelled)
         else:
             if not self._started and not self.disconnected:
                 log.error("the request handler returned without a response")
-            await self._finish_for_the_app()
+            self.finish_unanswered()
         finally:
             self.detach()
 
@@ -510,20 +512,16 @@ class LeanCycle:
         self.scope = None  # type: ignore[assignment]
         self.task = None
 
-    async def _finish_for_the_app(self, cancelled: bool = False) -> None:
-        """After the app: a response it never started is a 500 (a 503 when the server cancelled it:
-        the drain deadline passed, proxy/drain.py), one it left unfinished is cut off, so a client
-        is never left waiting."""
+    def finish_unanswered(self, cancelled: bool = False) -> None:
+        """After the app (or a request served in callbacks, proxy/fastpath.py): a response never
+        started is a 500 (a 503 when the server cancelled it: the drain deadline passed,
+        proxy/drain.py), one left unfinished is cut off, so a client is never left waiting."""
         if not self._started and not self.disconnected:
-            if cancelled:
-                err = ProxyError(503, "The proxy is shutting down; retry the request.", code="proxy_shutting_down",
-                                 type="service_unavailable")
-            else:
-                err = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
+            err = _SHUTTING_DOWN if cancelled else _INTERNAL
             self.keep_alive = False
-            await self.send({"type": "http.response.start", "status": err.status,
-                             "headers": [(b"content-type", b"application/json")]})
-            await self.send({"type": "http.response.body", "body": err.body()})
+            body = err.body()
+            self.respond(err.status, [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
+                         body)
         elif not self.response_complete:
             self.transport.close()
 
@@ -538,6 +536,13 @@ class LeanCycle:
         while not (self.disconnected or self.response_complete):
             await self._wait()
         return _DISCONNECT_MESSAGE
+
+    def peek_body(self) -> bytes:
+        """The body bytes buffered so far, left in place (joined once, so `take_body` need not)."""
+        body = self.body
+        if len(body) != 1:
+            body[:] = [b"".join(body)]
+        return body[0]
 
     def take_body(self) -> bytes:
         """The body bytes buffered so far, handed over (reading resumed if they had paused it)."""

@@ -6,15 +6,24 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test redis bench clean
 
+# The routing decision's modules are compiled in place by the install (setup.py, proxy/native.py);
+# after an edit of one of them, `make` compiles them again (until then they run from source).
+NATIVE     := $(VENV)/.native
+NATIVE_SRC := setup.py proxy/native.py proxy/prefix.py proxy/routing/index.py $(wildcard proxy/routing/affinity/*.py)
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(NATIVE)
 
-install: $(STAMP)
+$(NATIVE): $(NATIVE_SRC) | $(STAMP)
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(NATIVE)
 
-demo: $(STAMP)
+install: $(STAMP) $(NATIVE)
+
+demo: $(STAMP) $(NATIVE)
 	$(BIN)/vllm-proxy demo
 
 redis:  # installs redis-server if missing; tests start their own on a free port
@@ -25,17 +34,17 @@ redis:  # installs redis-server if missing; tests start their own on a free port
 # `make test PYTEST_ARGS=` runs it in one process.
 PYTEST_ARGS ?= -n 4 --dist loadfile --no-loadscope-reorder
 
-test: $(STAMP) redis  # each test process compiles the project once, not on every import (~7 s)
+test: $(STAMP) $(NATIVE) redis  # each test process compiles the project once, not on every import (~7 s)
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) $(NATIVE)
 	$(BIN)/python -m loadtest.overhead
 
 # Benchmark report (loadtest/report.py): JSON, Markdown summary and PNG plots in
 # loadtest/results/report-<timestamp>/. `make report REPORT_ARGS=--quick` for the ~5 minute version.
 .PHONY: report
 REPORT_ARGS ?=
-report: $(STAMP) redis
+report: $(STAMP) $(NATIVE) redis
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	$(BIN)/python -m loadtest.report $(REPORT_ARGS)
 

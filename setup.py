@@ -1,11 +1,18 @@
 """Ships the example policies (`policies/*.yaml`) inside the package as `proxy/policies/`, so a
 regular install (`pip install .`, a wheel, a container image) can run `vllm-proxy demo`; the
-checkout keeps one copy of them, at the top level. Everything else is in pyproject.toml."""
+checkout keeps one copy of them, at the top level. Compiles the routing decision's modules with
+mypyc (proxy/native.py says which and why) unless `VLLM_PROXY_COMPILE=0` or mypyc is missing: the
+package then runs as plain Python. Everything else is in pyproject.toml."""
+import os
+import runpy
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
 
 
 class BuildWithPolicies(build_py):
@@ -13,8 +20,23 @@ class BuildWithPolicies(build_py):
         super().run()
         target = Path(self.build_lib) / "proxy" / "policies"
         target.mkdir(parents=True, exist_ok=True)
-        for policy in sorted(Path(__file__).resolve().parent.joinpath("policies").glob("*.yaml")):
+        for policy in sorted(HERE.joinpath("policies").glob("*.yaml")):
             shutil.copyfile(policy, target / policy.name)
 
 
-setup(cmdclass={"build_py": BuildWithPolicies})
+def native_extensions() -> list:
+    if os.environ.get("VLLM_PROXY_COMPILE", "1") == "0":
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        print("vllm-proxy: mypyc is not installed; building plain Python", file=sys.stderr)
+        return []
+    native = runpy.run_path(str(HERE / "proxy" / "native.py"))  # (not importing the package)
+    paths = [str(Path(*name.split(".")).with_suffix(".py")) for name in native["MODULES"]]
+    # the build environment has mypy but not the project's dependencies: their types are Any
+    return mypycify(["--ignore-missing-imports", "--follow-imports=silent", *paths],
+                    opt_level="3", group_name=native["GROUP"])
+
+
+setup(cmdclass={"build_py": BuildWithPolicies}, ext_modules=native_extensions())

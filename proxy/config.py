@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -21,6 +21,15 @@ class Plain:
 
     def __init__(self, config: BaseModel) -> None:
         self.__dict__.update(config.__dict__)
+
+
+_Config = TypeVar("_Config", bound=BaseModel)
+
+
+def plain(config: _Config) -> _Config:
+    """A `Plain` copy of `config`, typed as the config it copies (it has the same fields), so the
+    code reading it is type-checked (and compiled: proxy/native.py) against the real schema."""
+    return Plain(config)  # type: ignore[return-value]
 
 
 class Timeouts(Strict):

@@ -161,12 +161,14 @@ def prefix_key(endpoint_is_chat: bool, data: dict[str, Any], seed: str, block: i
     blocks = len(text) // block
     if max_blocks < blocks:  # (min without the call: this runs on every request)
         blocks = max_blocks
+    cache_key: tuple[str, int, bytes] | None = None
+    known: tuple[int, tuple[int, ...], bytes] | None = None
     if system_end > 0:
         pin_part = text[:system_end]
-        cache_key: tuple[str, int, bytes] | None = (seed, block, pin_part)
+        cache_key = (seed, block, pin_part)
         known = _system_hashes.get(cache_key)
     else:
-        pin_part, cache_key, known = text[:block], None, None
+        pin_part = text[:block]
     if known is None:
         head, first = _seeded(seed)
         known = _chain(_h(head + pin_part), (), first, pin_part, min(len(pin_part) // block, max_blocks), block)

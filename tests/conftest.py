@@ -133,3 +133,13 @@ def eventually(predicate: Predicate, timeout: float = 10.0, interval: float = 0.
             return True
         time.sleep(interval)
     return predicate()
+
+
+def pytest_report_header(config: Any) -> str:
+    """Whether the routing decision runs compiled (proxy/native.py) or from source, and why."""
+    from proxy import native
+
+    done = native.compiled()
+    if done:
+        return f"vllm-proxy: {len(done)} of {len(native.MODULES)} routing modules compiled (mypyc)"
+    return f"vllm-proxy: routing modules from source ({native.why_sources or 'not compiled'})"

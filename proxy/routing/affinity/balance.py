@@ -206,7 +206,7 @@ class Balance:
 
     def _near_cap(self, window: Window, counts: dict[str, int], candidates: Sequence[Backend], chosen: Backend,
                   fair: float, slack: float, shares: dict[str, float] | None,
-                  cached: str) -> tuple[Backend, bool]:
+                  cached: str | None) -> tuple[Backend, bool]:
         """A new conversation about to take the last requests under its replica's cap goes where
         the prefix index says its whole prompt is, if that replica is well under its own cap: the
         cap then meets fewer requests whose prompt is cached nowhere else, each a cold prompt where

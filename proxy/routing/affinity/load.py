@@ -151,7 +151,8 @@ class LoadView:
             self.weigh(candidates, values)
         return values
 
-    def ramp(self, candidates: Sequence[Backend], values: list[float], now: float, into: dict | None = None) -> None:
+    def ramp(self, candidates: Sequence[Backend], values: list[float], now: float,
+             into: dict[str, float] | None = None) -> None:
         """Raise each lately joined replica's value to the others' mean times the part of its
         ramp (load_window_requests) still to go; in `values`, or in `into` by name."""
         ramp = self.config.load_window_requests
@@ -164,9 +165,9 @@ class LoadView:
             return
         mean = sum(old) / len(old)
         for i, backend in enumerate(candidates):
-            at = joined.get(backend.name)
-            if at is not None:
-                floor = max(values[i], mean * (1.0 - (now - at) / ramp))
+            since = joined.get(backend.name)
+            if since is not None:
+                floor = max(values[i], mean * (1.0 - (now - since) / ramp))
                 if into is None:
                     values[i] = floor
                 else:

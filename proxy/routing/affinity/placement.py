@@ -249,7 +249,7 @@ class Placement:
             table.shrink_seen[pin] = members
             if not replaced:
                 return
-        if now - changed < self.config.cool_down_requests:
+        if changed is None or now - changed < self.config.cool_down_requests:  # (None: returned above)
             return
         tenants = self.tenants
         below = (len(members) - 1) * self.config.grow_fill * 0.75

@@ -8,7 +8,7 @@ import time
 from functools import partial
 from typing import Any, Sequence
 
-from proxy.config import AffinityConfig, Plain
+from proxy.config import AffinityConfig, plain
 from proxy.parse import CHAT, ParsedRequest
 from proxy.prefix import prefix_key
 from proxy.routing.backends import Backend
@@ -43,7 +43,7 @@ class PrefixAffinity:
         """`timer`: where wall and monotonic time are read (`time()`, `monotonic()`): the time
         module, or a simulated clock in the offline benchmarks."""
         self.config = config
-        config = self._knobs = Plain(config)  # (the parts read it on every request)
+        config = self._knobs = plain(config)  # (the parts read it on every request)
         self.shared = shared
         self.index = PrefixIndex(config.index_blocks_per_backend)
         self._wall = timer.time

@@ -4,7 +4,7 @@ which every proxy computes alike without talking."""
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from proxy.routing.backends import Backend
 from proxy.routing.affinity.load import LoadView
@@ -28,18 +28,19 @@ def rendezvous_order(key: int, candidates: Sequence[Backend]) -> list[Backend]:
 def ranked(
     load: LoadView, table: TenantTable, candidates: Sequence[Backend], rates: list[float], flights: list[int],
     cap: float, qcap: int, pin: int, exclude: Sequence[str], grow: bool = False,
-) -> list[tuple[tuple, int, Backend]]:
+) -> list[tuple[tuple, float, Backend]]:
     """Every candidate as (sort key, tenants it holds, replica), best first: outside `exclude`,
     under the bound, (placed anew) not slower, with cache room, then least (load share + tenant
     share)."""
     n = len(candidates)
-    counts = table.counts(load.clock)
+    counts: Mapping[str, float] = table.counts(load.clock)  # (float: a ramped-up replica's is the mean)
     # scored by where traffic goes now (a population that changed left the smoothed load behind)
     recent = load.recent_loads(candidates)
     mean_rate = (sum(recent) + n) / n
     if load.joined:  # a replica that joined counts as holding the mean of tenants at first, too
-        counts = dict(counts)
-        load.ramp(candidates, [counts.get(b.name, 0) for b in candidates], load.clock, counts)
+        ramped = dict(counts)
+        load.ramp(candidates, [float(ramped.get(b.name, 0)) for b in candidates], load.clock, ramped)
+        counts = ramped
     held = sum(counts.get(b.name, 0) for b in candidates)
     mean_count = (held + n) / n
     # cache room: no replica takes more than its share of tenants' prompts (rounded up)

@@ -1,0 +1,89 @@
+"""The modules compiled to C with mypyc when the package is built, and what a running process has.
+
+The routing decision of `prefix_affinity` is a few thousand interpreted bytecodes per request
+(prefix keys, the load bound, tenant shares, the balance guard), spread over small functions with
+no single hotspot: compiled, the same source decides the same way in ~40 % of the time
+(loadtest.pick_cost). setup.py compiles these modules when mypyc is at hand, and the package runs
+as plain Python when it is not (`VLLM_PROXY_COMPILE=0` at build time, or no compiler): both are
+the same code, so every test holds for both.
+
+Python imports an extension in preference to its source, so a source edited after an in-place
+build would be shadowed by the old extension. `use_sources_if_stale` (run when `proxy` is
+imported) therefore imports every module of the group from source when any extension is older
+than its source, or when `VLLM_PROXY_NATIVE=0`: all or none, as compiled modules call each other
+directly, not through the module. `make` rebuilds the extensions after an edit.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+# dotted names, compiled together (calls between them skip the interpreter); setup.py reads this
+MODULES = (
+    "proxy.prefix",
+    "proxy.routing.index",
+    "proxy.routing.affinity.counts",
+    "proxy.routing.affinity.load",
+    "proxy.routing.affinity.tenants",
+    "proxy.routing.affinity.ranking",
+    "proxy.routing.affinity.table",
+    "proxy.routing.affinity.placement",
+    "proxy.routing.affinity.balance",
+    "proxy.routing.affinity.policy",
+)
+GROUP = "vllm_proxy_native"  # the shared library's name (<GROUP>__mypyc), beside the package
+
+_ROOT = Path(__file__).resolve().parent.parent
+why_sources = ""  # why this process runs MODULES from source although they are compiled ("": it does not)
+
+
+def compiled() -> list[str]:
+    """The modules of MODULES that this process imports as extensions."""
+    out = []
+    for name in MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
+            out.append(name)
+    return out
+
+
+def stale() -> list[str]:
+    """Compiled modules whose source file changed after their extension was built (an in-place
+    build in a checkout; an installed wheel has no sources beside them)."""
+    out = []
+    for name in MODULES:
+        source = _ROOT.joinpath(*name.split(".")).with_suffix(".py")
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            ext = source.with_suffix(suffix)
+            if ext.exists() and source.exists() and source.stat().st_mtime > ext.stat().st_mtime:
+                out.append(name)
+                break
+    return out
+
+
+class _Sources(importlib.abc.MetaPathFinder):
+    """Finds MODULES as their source files (ahead of the extensions beside them)."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None):
+        if name not in MODULES:
+            return None
+        return importlib.util.spec_from_file_location(name, _ROOT.joinpath(*name.split(".")).with_suffix(".py"))
+
+
+def use_sources_if_stale() -> None:
+    """Import MODULES from source if `VLLM_PROXY_NATIVE=0` or some extension is stale."""
+    global why_sources
+    if any(isinstance(f, _Sources) for f in sys.meta_path):
+        return
+    if os.environ.get("VLLM_PROXY_NATIVE") == "0":
+        why_sources = "VLLM_PROXY_NATIVE=0"
+    else:
+        old = stale()
+        if not old:
+            return
+        why_sources = f"{', '.join(old)} changed after the build (make rebuilds them)"
+    sys.meta_path.insert(0, _Sources())

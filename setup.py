@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
@@ -22,6 +23,18 @@ class BuildWithPolicies(build_py):
         target.mkdir(parents=True, exist_ok=True)
         for policy in sorted(HERE.joinpath("policies").glob("*.yaml")):
             shutil.copyfile(policy, target / policy.name)
+
+
+class OptionalNative(build_ext):
+    """The compiled modules are an optimisation: without a working C compiler the package is
+    built as plain Python (proxy/native.py imports the sources when the group library is missing)."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # (setuptools raises its own CompileError/LinkError classes)
+            print(f"vllm-proxy: compiling the routing modules failed ({exc}); building plain Python",
+                  file=sys.stderr)
 
 
 def native_extensions() -> list:
@@ -39,4 +52,4 @@ def native_extensions() -> list:
                     opt_level="3", group_name=native["GROUP"])
 
 
-setup(cmdclass={"build_py": BuildWithPolicies}, ext_modules=native_extensions())
+setup(cmdclass={"build_py": BuildWithPolicies, "build_ext": OptionalNative}, ext_modules=native_extensions())

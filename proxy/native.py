@@ -51,15 +51,25 @@ def compiled() -> list[str]:
     return out
 
 
+def describe() -> str:
+    """'compiled', or 'interpreted' and why (the startup log line says it)."""
+    if len(compiled()) == len(MODULES):
+        return "compiled"
+    return f"interpreted ({why_sources or 'not compiled at install'})"
+
+
 def stale() -> list[str]:
     """Compiled modules whose source file changed after their extension was built (an in-place
-    build in a checkout; an installed wheel has no sources beside them)."""
+    build in a checkout; an installed wheel has no sources beside them), or all of them when the
+    group library they all call into is missing (a build that failed half way)."""
     out = []
+    suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    group = any(_ROOT.joinpath(f"{GROUP}__mypyc{suffix}").exists() for suffix in suffixes)
     for name in MODULES:
         source = _ROOT.joinpath(*name.split(".")).with_suffix(".py")
-        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        for suffix in suffixes:
             ext = source.with_suffix(suffix)
-            if ext.exists() and source.exists() and source.stat().st_mtime > ext.stat().st_mtime:
+            if ext.exists() and (not group or source.exists() and source.stat().st_mtime > ext.stat().st_mtime):
                 out.append(name)
                 break
     return out
@@ -85,5 +95,5 @@ def use_sources_if_stale() -> None:
         old = stale()
         if not old:
             return
-        why_sources = f"{', '.join(old)} changed after the build (make rebuilds them)"
+        why_sources = f"{', '.join(old)} changed after the build, or the build failed (make rebuilds them)"
     sys.meta_path.insert(0, _Sources())

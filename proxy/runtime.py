@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from proxy import native
 from proxy.auth import Authenticator
 from proxy.config import ProxyConfig
 from proxy.discovery.fleet import Fleet
@@ -161,8 +162,8 @@ class Runtime:
         if hasattr(policy, "serve"):  # the policy's background work (prefix_affinity's packing repair)
             tasks.spawn(policy.serve(), "packing repair")
         log.info(
-            "serving %d deployments over %d backends (%d healthy)",
-            len(self.catalog), len(self.backends), sum(b.healthy for b in self.backends),
+            "serving %d deployments over %d backends (%d healthy); routing decision %s",
+            len(self.catalog), len(self.backends), sum(b.healthy for b in self.backends), native.describe(),
         )
 
     async def stop(self) -> None:

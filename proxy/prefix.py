@@ -10,7 +10,6 @@ hashing a 2 KB system prompt per request was half of the routing decision's cost
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from hashlib import blake2b
 from typing import Any, NamedTuple
 
@@ -84,10 +83,11 @@ def render_chat(data: dict[str, Any]) -> tuple[bytes, int]:
         pieces.append(orjson.dumps(tools).decode())
         size = len(pieces[0])
     system_end = -1
-    for message in data["messages"]:
+    messages: list[dict[str, Any]] = data["messages"]  # (checked by proxy/parse.py: objects in a list)
+    for message in messages:
         role = message.get("role")
         content = message.get("content")
-        piece = f"\x1e{role}\x1f{content if content.__class__ is str else _content_text(content)}"
+        piece = f"\x1e{role}\x1f{content if isinstance(content, str) else _content_text(content)}"
         if system_end < 0:
             if role in _SYSTEM_ROLES:
                 size += len(piece)
@@ -116,26 +116,31 @@ def render_prompt(prompt: Any) -> bytes:
 
 class _SystemHashes:
     """(seed, block size, system part) -> (pin, hashes of the blocks inside it, last hash): an LRU
-    bounded by the bytes of system text it holds."""
+    bounded by the bytes of system text it holds. A plain dict in use order (a hit is moved to the
+    end by taking it out and putting it back): compiled, that is native dict calls, where an
+    OrderedDict's are generic method calls."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.used = 0
-        self.entries: OrderedDict[tuple[str, int, bytes], tuple[int, tuple[int, ...], bytes]] = OrderedDict()
+        self.entries: dict[tuple[str, int, bytes], tuple[int, tuple[int, ...], bytes]] = {}
 
     def get(self, key: tuple[str, int, bytes]) -> tuple[int, tuple[int, ...], bytes] | None:
-        found = self.entries.get(key)
+        entries = self.entries
+        found = entries.pop(key, None)
         if found is not None:
-            self.entries.move_to_end(key)
+            entries[key] = found
         return found
 
     def put(self, key: tuple[str, int, bytes], value: tuple[int, tuple[int, ...], bytes]) -> None:
         if len(key[2]) > self.budget // 16:  # a huge system part is hashed per request instead
             return
-        self.entries[key] = value
+        entries = self.entries
+        entries[key] = value
         self.used += len(key[2])
         while self.used > self.budget:
-            old, _ = self.entries.popitem(last=False)
+            old = next(iter(entries))
+            del entries[old]
             self.used -= len(old[2])
 
 

@@ -28,6 +28,10 @@ _START_RATE = 100.0  # requests a second assumed before the first measurement
 class LoadView:
     def __init__(self, config: AffinityConfig, shared: SharedState | None, wall: Callable[[], float]) -> None:
         self.config = config
+        # the bound's knobs, typed (compiled, they are read as unboxed numbers)
+        self.epsilon: float = config.epsilon
+        self.load_slack: float = config.load_slack
+        self.queue_slack: int = config.queue_slack
         self.shared = shared
         self.clock = 0.0  # requests routed over all proxies (estimated)
         self.proxies = 1.0  # proxies sharing the traffic (estimated): the clock's step per request here
@@ -119,11 +123,16 @@ class LoadView:
         """(smoothed loads weighed by speed, in-flight loads, mean, the bound on the smoothed load,
         the in-flight guard) for this decision; updates the fleet's rate and the proxies estimate on
         the way (from the requests, unweighed)."""
-        cfg = self.config
         n = len(candidates)
         rates = self.smoothed(candidates, now, False)
         flights = self.loads(candidates)
-        self.fleet_rate = total = sum(rates)
+        total = 0.0  # (sums as loops: compiled, they add unboxed)
+        for rate in rates:
+            total += rate
+        in_flight = 0
+        for flight in flights:
+            in_flight += flight
+        self.fleet_rate = total
         local = self.routed.value(None, now)  # all this proxy routed, on the same window as `rates`
         if local >= 16.0:  # proxies sharing the traffic: the fleet's routed count over this proxy's
             ratio = total / local  # clamped to [1, 64] (as min(max(...)), without two calls)
@@ -132,8 +141,8 @@ class LoadView:
         if Backend.speed_version and self.speed_balance:
             total = sum(self.weigh(candidates, rates))
         mean = (total + 1.0) / n
-        cap = (1.0 + cfg.epsilon) * mean + cfg.load_slack * math.sqrt(mean)  # slack: the count's own noise
-        qcap = math.ceil((1.0 + cfg.epsilon) * (sum(flights) + 1) / n) + cfg.queue_slack
+        cap = (1.0 + self.epsilon) * mean + self.load_slack * math.sqrt(mean)  # slack: the count's own noise
+        qcap = math.ceil((1.0 + self.epsilon) * (in_flight + 1) / n) + self.queue_slack
         return rates, flights, mean, cap, qcap
 
     def recent_loads(self, candidates: Sequence[Backend]) -> list[float]:

@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 import orjson
 import redis.asyncio as redis
 
+from proxy.routing.index import longest_match
 from proxy.tasks import Supervisor
 
 log = logging.getLogger("vllm_proxy.shared")
@@ -246,12 +247,7 @@ class SharedState:
         (then the caller's local index decides)."""
         if not self.mirrored:
             return None
-        owner = self.owner
-        for i in range(len(chain) - 1, -1, -1):
-            found = owner.get(chain[i])
-            if found is not None:
-                return i + 1, found
-        return 0, None
+        return longest_match(self.owner, chain)
 
     def place(self, pin: int, replica: str) -> tuple[str, ...] | None:
         """Place a new tenant on `replica` at once; the shared table reconciles in the background

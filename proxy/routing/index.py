@@ -17,12 +17,7 @@ class PrefixIndex:
 
     def longest(self, chain: Sequence[int]) -> tuple[int, str | None]:
         """(number of leading blocks matched, replica) for the longest known prefix."""
-        owner = self.owner
-        for i in range(len(chain) - 1, -1, -1):
-            found = owner.get(chain[i])
-            if found is not None:
-                return i + 1, found
-        return 0, None
+        return longest_match(self.owner, chain)
 
     def record(self, chain: Sequence[int], backend: str, now: float, shared_ttl: float, limit: int = 0) -> list[int]:
         """Remember that `backend` now holds `chain`, keeping at most `limit` entries for it when
@@ -61,3 +56,13 @@ class PrefixIndex:
         for h in self._lru.pop(backend, ()):
             if self.owner.get(h) == backend:
                 del self.owner[h]
+
+
+def longest_match(owner: dict[int, str], chain: Sequence[int]) -> tuple[int, str | None]:
+    """(number of leading blocks of `chain` matched, replica) for the longest prefix that `owner`
+    (block hash -> replica) knows: this index's, or the shared mirror's (proxy/shared.py)."""
+    for i in range(len(chain) - 1, -1, -1):
+        found = owner.get(chain[i])
+        if found is not None:
+            return i + 1, found
+    return 0, None

@@ -23,6 +23,10 @@ class Placement:
     def __init__(self, config: AffinityConfig, load: LoadView, tenants: TenantStats, table: TenantTable,
                  store: TenantStore, spilled: Callable[[float], None]) -> None:
         self.config = config
+        # read on every request: typed
+        self.continuation_slack: float = config.continuation_slack
+        self.cool_down_requests: float = config.cool_down_requests
+        self.grow_fill: float = config.grow_fill
         self.load = load
         self.tenants = tenants
         self.table = table
@@ -43,7 +47,6 @@ class Placement:
 
     def _choose(self, candidates: Sequence[Backend], where: dict[str, int], pin: int, pin_blocks: int,
                 match: tuple[int, str | None], now: float, wall: float) -> tuple[Backend, str]:
-        cfg = self.config
         n = len(candidates)
         rates, flights, mean, cap, qcap = self.load.bounds(candidates, now)
         matched, owner = match
@@ -58,7 +61,7 @@ class Placement:
             i = where.get(owner)
             if i is not None:
                 # (before warm-up, as for a tenant's own replicas below, only a real queue stops it)
-                loose = cap + cfg.continuation_slack * mean if self.tenants.warm(now) else math.inf
+                loose = cap + self.continuation_slack * mean if self.tenants.warm(now) else math.inf
                 if rates[i] + 1 <= loose and flights[i] + 1 <= qcap:
                     return candidates[i], "prefix-hit"
 
@@ -103,7 +106,7 @@ class Placement:
         if not self.tenants.may_grow(pin, len(members), n, now):
             # before warm-up ends (shares unknown) only a real queue makes it spill: a spilled
             # conversation copies the prompt elsewhere and its later turns stay there
-            hard = cap + cfg.continuation_slack * mean if self.tenants.warm(now) else math.inf
+            hard = cap + self.continuation_slack * mean if self.tenants.warm(now) else math.inf
             for i in here:
                 if rates[i] + 1 <= hard and flights[i] + 1 <= qcap and (best < 0 or now_load[i] < now_load[best]):
                     best = i
@@ -249,10 +252,10 @@ class Placement:
             table.shrink_seen[pin] = members
             if not replaced:
                 return
-        if changed is None or now - changed < self.config.cool_down_requests:  # (None: returned above)
+        if changed is None or now - changed < self.cool_down_requests:  # (None: returned above)
             return
         tenants = self.tenants
-        below = (len(members) - 1) * self.config.grow_fill * 0.75
+        below = (len(members) - 1) * self.grow_fill * 0.75
         if tenants.share_floor(pin, now) * n >= below:  # (the estimates can only be higher: skip them)
             return
         share, fast = tenants.estimate(pin, now)[0], tenants.estimate(pin, now, True)[0]  # cooling shows in either

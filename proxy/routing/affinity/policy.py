@@ -43,7 +43,11 @@ class PrefixAffinity:
         """`timer`: where wall and monotonic time are read (`time()`, `monotonic()`): the time
         module, or a simulated clock in the offline benchmarks."""
         self.config = config
-        config = self._knobs = plain(config)  # (the parts read it on every request)
+        config = plain(config)  # (the parts read it on every request)
+        # what every request reads, typed (compiled, unboxed)
+        self._block_chars: int = config.block_chars
+        self._max_blocks: int = config.max_blocks
+        self._shared_ttl_s: float = config.shared_ttl_s
         self.shared = shared
         self.index = PrefixIndex(config.index_blocks_per_backend)
         self._wall = timer.time
@@ -113,9 +117,9 @@ class PrefixAffinity:
         endpoint = request.endpoint
         if endpoint != CHAT and endpoint != _COMPLETIONS:
             return min(candidates, key=self.load), "least-loaded"
-        cfg = self._knobs
-        pin, chain, pin_blocks = prefix_key(endpoint == CHAT, request.data, route.upstream_id, cfg.block_chars,
-                                            cfg.max_blocks)
+        block_chars = self._block_chars
+        pin, chain, pin_blocks = prefix_key(endpoint == CHAT, request.data, route.upstream_id, block_chars,
+                                            self._max_blocks)
         shared = self.shared
         match = None
         if shared is not None:
@@ -152,8 +156,8 @@ class PrefixAffinity:
             # when a tenant's prompt left it (proxy/routing/affinity/placement.py: `_off_slower`)
             limit = 0
             if chosen.load_factor > 1.0 and chosen.cache_tokens:
-                limit = chosen.cache_tokens * CHARS_PER_TOKEN * _INDEXED_TENTHS // (10 * cfg.block_chars)
-            stale = self.index.record(chain, name, self._monotonic(), cfg.shared_ttl_s, limit)
+                limit = chosen.cache_tokens * CHARS_PER_TOKEN * _INDEXED_TENTHS // (10 * block_chars)
+            stale = self.index.record(chain, name, self._monotonic(), self._shared_ttl_s, limit)
             if shared is not None and stale:
                 shared.remember(stale, name)
             coalescer = self.coalescer

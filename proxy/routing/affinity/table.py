@@ -18,6 +18,8 @@ class TenantTable:
     def __init__(self, config: AffinityConfig, store: TenantStore, tenants: TenantStats,
                  wall: Callable[[], float]) -> None:
         self.config = config
+        self.block_chars: int = config.block_chars  # (read on every request: typed)
+        self.shared_ttl_s: float = config.shared_ttl_s
         self.store = store
         self.pins = store.pins
         self.tenants = tenants
@@ -47,11 +49,11 @@ class TenantTable:
 
     def refresh(self, pin: int, members: tuple[str, ...], stamp: float, wall: float, now: float) -> None:
         """Rewrite a used placement before the shared table's TTL (wall time) expires it."""
-        if wall - stamp > self.config.shared_ttl_s / 2 and self.store.up:
+        if wall - stamp > self.shared_ttl_s / 2 and self.store.up:
             self.set(pin, members, now)
 
     def note_prompt(self, pin_blocks: int) -> None:
-        chars = (1 if 1 > pin_blocks else pin_blocks) * self.config.block_chars  # (max without the call)
+        chars = (1 if 1 > pin_blocks else pin_blocks) * self.block_chars  # (max without the call)
         self.prompt_chars += (chars - self.prompt_chars) * (0.01 if self.prompt_chars else 1.0)
 
     def capacity(self, backend: Backend, default):

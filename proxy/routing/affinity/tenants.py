@@ -29,6 +29,10 @@ _SHIFTED_SIGMAS = 3.0  # a share over the short window this far from the long on
 class TenantStats:
     def __init__(self, config: AffinityConfig, load: LoadView, pins: Pins) -> None:
         self.config = config
+        # read on every request: typed
+        self.forget_requests: float = config.forget_requests
+        self.grow_min_requests: float = config.grow_min_requests
+        self.grow_fill: float = config.grow_fill
         self.load = load
         self.pins = pins
         window = config.window_requests
@@ -67,9 +71,9 @@ class TenantStats:
         seen = self.seen.get(pin)
         if seen is None:
             entry = self.pins.get(pin)
-            return entry is None or (wall - entry[1]) * self.load.rate > self.config.forget_requests
+            return entry is None or (wall - entry[1]) * self.load.rate > self.forget_requests
         gap = now - seen[1]
-        return gap >= self.config.forget_requests or gap * seen[2] >= _IDLE_GAPS * self.load.proxies
+        return gap >= self.forget_requests or gap * seen[2] >= _IDLE_GAPS * self.load.proxies
 
     def presence(self, pin: int, now: float) -> float:
         """How likely the tenant still sends, from the gap since its last request: 1 within three of
@@ -83,7 +87,7 @@ class TenantStats:
 
     def warm(self, now: float) -> bool:
         """Enough traffic over all proxies (and some here) for the tenants' shares to mean something."""
-        need = self.config.grow_min_requests
+        need = self.grow_min_requests
         return self.load.fleet_rate >= need and self.rate.value(None, now) >= need / 4
 
     def exposure(self, pin: int, now: float, fast: bool = False) -> float:
@@ -142,7 +146,7 @@ class TenantStats:
         its prompt costs every replica involved cache room for good."""
         if not self.warm(now):
             return False
-        need = size * self.config.grow_fill
+        need = size * self.grow_fill
         stats = self.seen.get(pin)
         for counts, at in ((self.rate, 3), (self.fast, 4)):
             # most tenants have too few requests for a low bound above 0: no estimate needed

@@ -14,6 +14,7 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
+BUILT = HERE / "proxy" / "native_built.py"
 
 
 class BuildWithPolicies(build_py):
@@ -35,6 +36,7 @@ class OptionalNative(build_ext):
         except Exception as exc:  # (setuptools raises its own CompileError/LinkError classes)
             print(f"vllm-proxy: compiling the routing modules failed ({exc}); building plain Python",
                   file=sys.stderr)
+            BUILT.unlink(missing_ok=True)  # (extensions of an earlier build are then not trusted)
 
 
 def native_extensions() -> list:
@@ -47,6 +49,9 @@ def native_extensions() -> list:
         return []
     native = runpy.run_path(str(HERE / "proxy" / "native.py"))  # (not importing the package)
     paths = [str(Path(*name.split(".")).with_suffix(".py")) for name in native["MODULES"]]
+    # what is compiled, by digest: an extension whose source differs from it is not imported
+    BUILT.write_text("# Written by setup.py: digests of the sources it compiled (proxy/native.py).\n"
+                     f"DIGESTS = {native['digests']()!r}\n")
     # the build environment has mypy but not the project's dependencies: their types are Any
     return mypycify(["--ignore-missing-imports", "--follow-imports=silent", *paths],
                     opt_level="3", group_name=native["GROUP"])

@@ -2,23 +2,26 @@
 
 The routing decision of `prefix_affinity` is a few thousand interpreted bytecodes per request
 (prefix keys, the load bound, tenant shares, the balance guard), spread over small functions with
-no single hotspot: compiled, the same source decides the same way in ~40 % of the time
+no single hotspot: compiled, the same source decides the same way in about half the instructions
 (loadtest.pick_cost). setup.py compiles these modules when mypyc is at hand, and the package runs
 as plain Python when it is not (`VLLM_PROXY_COMPILE=0` at build time, or no compiler): both are
 the same code, so every test holds for both.
 
 Python imports an extension in preference to its source, so a source edited after an in-place
 build would be shadowed by the old extension. `use_sources_if_stale` (run when `proxy` is
-imported) therefore imports every module of the group from source when any extension is older
-than its source, or when `VLLM_PROXY_NATIVE=0`: all or none, as compiled modules call each other
-directly, not through the module. `make` rebuilds the extensions after an edit.
+imported) therefore imports every module of the group from source when any source differs from
+what was compiled (setup.py records their digests in proxy/native_built.py), or when
+`VLLM_PROXY_NATIVE=0`: all or none, as compiled modules call each other directly, not through the
+module. `make` rebuilds the extensions after an edit.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import runpy
 import sys
 from pathlib import Path
 
@@ -58,20 +61,32 @@ def describe() -> str:
     return f"interpreted ({why_sources or 'not compiled at install'})"
 
 
+def _source(name: str) -> Path:
+    return _ROOT.joinpath(*name.split(".")).with_suffix(".py")
+
+
+def digests() -> dict[str, str]:
+    """Each compiled module's source digest (setup.py records them in proxy/native_built.py)."""
+    return {name: hashlib.sha256(_source(name).read_bytes()).hexdigest() for name in MODULES}
+
+
 def stale() -> list[str]:
-    """Compiled modules whose source file changed after their extension was built (an in-place
-    build in a checkout; an installed wheel has no sources beside them), or all of them when the
-    group library they all call into is missing (a build that failed half way)."""
-    out = []
+    """Compiled modules whose source differs from the one their extension was built from (by
+    content, not by time: a wheel's installer writes the sources after the extensions), or all of
+    them when the group library they call into, or the record of what was compiled, is missing
+    (a build that failed half way)."""
     suffixes = importlib.machinery.EXTENSION_SUFFIXES
     group = any(_ROOT.joinpath(f"{GROUP}__mypyc{suffix}").exists() for suffix in suffixes)
+    record = _ROOT / "proxy" / "native_built.py"
+    built = runpy.run_path(str(record)).get("DIGESTS", {}) if record.exists() else {}
+    out = []
     for name in MODULES:
-        source = _ROOT.joinpath(*name.split(".")).with_suffix(".py")
-        for suffix in suffixes:
-            ext = source.with_suffix(suffix)
-            if ext.exists() and (not group or source.exists() and source.stat().st_mtime > ext.stat().st_mtime):
-                out.append(name)
-                break
+        source = _source(name)
+        if not any(source.with_suffix(suffix).exists() for suffix in suffixes):
+            continue
+        if not group or not built or (source.exists()
+                                      and built.get(name) != hashlib.sha256(source.read_bytes()).hexdigest()):
+            out.append(name)
     return out
 
 
@@ -81,7 +96,7 @@ class _Sources(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: object = None, target: object = None):
         if name not in MODULES:
             return None
-        return importlib.util.spec_from_file_location(name, _ROOT.joinpath(*name.split(".")).with_suffix(".py"))
+        return importlib.util.spec_from_file_location(name, _source(name))
 
 
 def use_sources_if_stale() -> None:
@@ -95,5 +110,5 @@ def use_sources_if_stale() -> None:
         old = stale()
         if not old:
             return
-        why_sources = f"{', '.join(old)} changed after the build, or the build failed (make rebuilds them)"
+        why_sources = f"{', '.join(old)} differ from what was compiled, or the build failed (make rebuilds them)"
     sys.meta_path.insert(0, _Sources())

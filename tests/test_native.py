@@ -47,19 +47,25 @@ def test_compiled_modules_decide_like_their_source() -> None:
 
 
 def test_a_stale_extension_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    source = tmp_path / "proxy" / "prefix.py"
-    source.parent.mkdir()
-    source.write_text("")
-    ext = source.with_suffix(importlib.machinery.EXTENSION_SUFFIXES[0])
-    ext.write_bytes(b"")
+    package = tmp_path / "proxy"
+    package.mkdir()
+    source = package / "prefix.py"
+    source.write_text("X = 1\n")
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    source.with_suffix(suffix).write_bytes(b"")
+    monkeypatch.setattr(native, "MODULES", ("proxy.prefix",))
     monkeypatch.setattr(native, "_ROOT", tmp_path)
-    os.utime(source, (1_000, 1_000))
-    os.utime(ext, (2_000, 2_000))
+    record = package / "native_built.py"
+    record.write_text(f"DIGESTS = {native.digests()!r}\n")
     assert native.stale() == ["proxy.prefix"]  # no group library: a build that failed half way
-    group = tmp_path / f"{native.GROUP}__mypyc{importlib.machinery.EXTENSION_SUFFIXES[0]}"
-    group.write_bytes(b"")
+    (tmp_path / f"{native.GROUP}__mypyc{suffix}").write_bytes(b"")
     assert native.stale() == []
-    os.utime(source, (3_000, 3_000))
+    os.utime(source, (4_000_000_000, 4_000_000_000))  # newer, the same content (a wheel's install)
+    assert native.stale() == []
+    source.write_text("X = 2\n")  # edited after the build
+    assert native.stale() == ["proxy.prefix"]
+    source.write_text("X = 1\n")
+    record.unlink()  # what was compiled is unknown
     assert native.stale() == ["proxy.prefix"]
 
 

@@ -7,9 +7,9 @@ STAMP  := $(VENV)/.installed
 .PHONY: install demo test redis bench clean
 
 # The routing decision's modules are compiled in place by the install (setup.py, proxy/native.py);
-# after an edit of one of them, `make` compiles them again (until then they run from source).
+# after an edit of the package, `make` compiles them again (until then they run from source).
 NATIVE     := $(VENV)/.native
-NATIVE_SRC := setup.py proxy/native.py proxy/prefix.py proxy/routing/index.py $(wildcard proxy/routing/affinity/*.py)
+NATIVE_SRC := setup.py $(shell find proxy -name '*.py' -not -name native_built.py)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

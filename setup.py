@@ -26,35 +26,67 @@ class BuildWithPolicies(build_py):
             shutil.copyfile(policy, target / policy.name)
 
 
+NATIVE = runpy.run_path(str(HERE / "proxy" / "native.py"))  # (not importing the package)
+
+
+def _record(root: Path, digests: "dict[str, str] | None") -> None:
+    """Write (or, with None, remove) the record of what was compiled under `root`/proxy: an
+    extension is imported only while the sources match it (proxy/native.py `stale`)."""
+    path = root / "proxy" / "native_built.py"
+    if digests is None:
+        path.unlink(missing_ok=True)
+    elif path.parent.is_dir():
+        path.write_text("# Written by setup.py: digests of the package's sources when it compiled the routing\n"
+                        f"# modules (proxy/native.py).\nDIGESTS = {digests!r}\n")
+
+
 class OptionalNative(build_ext):
     """The compiled modules are an optimisation: without a working C compiler the package is
-    built as plain Python (proxy/native.py imports the sources when the group library is missing)."""
+    built as plain Python. The record of what was compiled is written only once every extension
+    is built, beside them; a failure removes it and what was built."""
 
     def run(self) -> None:
+        if not self.extensions:
+            return
+        roots = {HERE, Path(self.build_lib)}
+        digests = NATIVE["digests"]()  # (before compiling: an edit meanwhile is then not trusted)
         try:
             super().run()
         except Exception as exc:  # (setuptools raises its own CompileError/LinkError classes)
             print(f"vllm-proxy: compiling the routing modules failed ({exc}); building plain Python",
                   file=sys.stderr)
-            BUILT.unlink(missing_ok=True)  # (extensions of an earlier build are then not trusted)
+            for ext in self.extensions:
+                Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+            for root in roots:
+                _record(root, None)
+            return
+        for ext in self.extensions[:1]:  # (the group library: its folder holds the package)
+            roots.add(Path(self.get_ext_fullpath(ext.name)).parent)
+        for root in roots:
+            _record(root, digests)
 
 
 def native_extensions() -> list:
+    """mypycify's extensions, or none (plain Python): VLLM_PROXY_COMPILE=0, no mypyc, or mypy
+    rejecting the sources (mypycify then exits: caught here)."""
     if os.environ.get("VLLM_PROXY_COMPILE", "1") == "0":
+        _record(HERE, None)  # (extensions of an earlier in-place build are then not imported)
         return []
     try:
         from mypyc.build import mypycify
     except ImportError:
         print("vllm-proxy: mypyc is not installed; building plain Python", file=sys.stderr)
+        _record(HERE, None)
         return []
-    native = runpy.run_path(str(HERE / "proxy" / "native.py"))  # (not importing the package)
-    paths = [str(Path(*name.split(".")).with_suffix(".py")) for name in native["MODULES"]]
-    # what is compiled, by digest: an extension whose source differs from it is not imported
-    BUILT.write_text("# Written by setup.py: digests of the sources it compiled (proxy/native.py).\n"
-                     f"DIGESTS = {native['digests']()!r}\n")
-    # the build environment has mypy but not the project's dependencies: their types are Any
-    return mypycify(["--ignore-missing-imports", "--follow-imports=silent", *paths],
-                    opt_level="3", group_name=native["GROUP"])
+    paths = [str(Path(*name.split(".")).with_suffix(".py")) for name in NATIVE["MODULES"]]
+    try:
+        # the build environment has mypy but not the project's dependencies: their types are Any
+        return mypycify(["--ignore-missing-imports", "--follow-imports=silent", *paths],
+                        opt_level="3", group_name=NATIVE["GROUP"])
+    except (SystemExit, Exception) as exc:
+        print(f"vllm-proxy: mypyc rejected the routing modules ({exc}); building plain Python", file=sys.stderr)
+        _record(HERE, None)
+        return []
 
 
 setup(cmdclass={"build_py": BuildWithPolicies, "build_ext": OptionalNative}, ext_modules=native_extensions())

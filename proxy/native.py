@@ -9,8 +9,9 @@ the same code, so every test holds for both.
 
 Python imports an extension in preference to its source, so a source edited after an in-place
 build would be shadowed by the old extension. `use_sources_if_stale` (run when `proxy` is
-imported) therefore imports every module of the group from source when any source differs from
-what was compiled (setup.py records their digests in proxy/native_built.py), or when
+imported) therefore imports every module of the group from source when any source of the package
+differs from what it was compiled with (setup.py records their digests in proxy/native_built.py;
+interpreted modules count too: compiled code checks the types they declare), or when
 `VLLM_PROXY_NATIVE=0`: all or none, as compiled modules call each other directly, not through the
 module. `make` rebuilds the extensions after an edit.
 """
@@ -66,28 +67,30 @@ def _source(name: str) -> Path:
 
 
 def digests() -> dict[str, str]:
-    """Each compiled module's source digest (setup.py records them in proxy/native_built.py)."""
-    return {name: hashlib.sha256(_source(name).read_bytes()).hexdigest() for name in MODULES}
+    """The digest of every source file of the package, by path (setup.py records them in
+    proxy/native_built.py): the compiled modules, and the interpreted ones whose types compiled
+    code checks at run time (an edit there could break what was compiled against it)."""
+    package = _ROOT / "proxy"
+    return {str(path.relative_to(_ROOT)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(package.rglob("*.py")) if path.name != "native_built.py"}
 
 
 def stale() -> list[str]:
-    """Compiled modules whose source differs from the one their extension was built from (by
-    content, not by time: a wheel's installer writes the sources after the extensions), or all of
-    them when the group library they call into, or the record of what was compiled, is missing
-    (a build that failed half way)."""
+    """The compiled modules present, when the package's sources differ from those they were built
+    with (by content, not by time: a wheel's installer writes the sources after the extensions),
+    or the group library they call into, or the record of what was compiled, is missing (a build
+    that failed half way); else none."""
     suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    present = [name for name in MODULES
+               if any(_source(name).with_suffix(suffix).exists() for suffix in suffixes)]
+    if not present:
+        return []
     group = any(_ROOT.joinpath(f"{GROUP}__mypyc{suffix}").exists() for suffix in suffixes)
     record = _ROOT / "proxy" / "native_built.py"
     built = runpy.run_path(str(record)).get("DIGESTS", {}) if record.exists() else {}
-    out = []
-    for name in MODULES:
-        source = _source(name)
-        if not any(source.with_suffix(suffix).exists() for suffix in suffixes):
-            continue
-        if not group or not built or (source.exists()
-                                      and built.get(name) != hashlib.sha256(source.read_bytes()).hexdigest()):
-            out.append(name)
-    return out
+    if not group or not built or built != digests():
+        return present
+    return []
 
 
 class _Sources(importlib.abc.MetaPathFinder):
@@ -110,5 +113,5 @@ def use_sources_if_stale() -> None:
         old = stale()
         if not old:
             return
-        why_sources = f"{', '.join(old)} differ from what was compiled, or the build failed (make rebuilds them)"
+        why_sources = "the package's sources differ from what was compiled, or the build failed (make rebuilds it)"
     sys.meta_path.insert(0, _Sources())

@@ -14,7 +14,6 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
-BUILT = HERE / "proxy" / "native_built.py"
 
 
 class BuildWithPolicies(build_py):
@@ -32,7 +31,7 @@ NATIVE = runpy.run_path(str(HERE / "proxy" / "native.py"))  # (not importing the
 def _record(root: Path, digests: "dict[str, str] | None") -> None:
     """Write (or, with None, remove) the record of what was compiled under `root`/proxy: an
     extension is imported only while the sources match it (proxy/native.py `stale`)."""
-    path = root / "proxy" / "native_built.py"
+    path = root / "proxy" / NATIVE["RECORD"]
     if digests is None:
         path.unlink(missing_ok=True)
     elif path.parent.is_dir():
@@ -60,8 +59,8 @@ class OptionalNative(build_ext):
             for root in roots:
                 _record(root, None)
             return
-        for ext in self.extensions[:1]:  # (the group library: its folder holds the package)
-            roots.add(Path(self.get_ext_fullpath(ext.name)).parent)
+        # (the group library, built first: its folder holds the package)
+        roots.add(Path(self.get_ext_fullpath(self.extensions[0].name)).parent)
         for root in roots:
             _record(root, digests)
 

@@ -40,6 +40,7 @@ MODULES = (
     "proxy.routing.affinity.policy",
 )
 GROUP = "vllm_proxy_native"  # the shared library's name (<GROUP>__mypyc), beside the package
+RECORD = "native_built.py"  # in the package: the digests of the sources compiled (setup.py writes it)
 
 _ROOT = Path(__file__).resolve().parent.parent
 why_sources = ""  # why this process runs MODULES from source although they are compiled ("": it does not)
@@ -72,7 +73,7 @@ def digests() -> dict[str, str]:
     code checks at run time (an edit there could break what was compiled against it)."""
     package = _ROOT / "proxy"
     return {str(path.relative_to(_ROOT)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(package.rglob("*.py")) if path.name != "native_built.py"}
+            for path in sorted(package.rglob("*.py")) if path.name != RECORD}
 
 
 def stale() -> list[str]:
@@ -86,7 +87,7 @@ def stale() -> list[str]:
     if not present:
         return []
     group = any(_ROOT.joinpath(f"{GROUP}__mypyc{suffix}").exists() for suffix in suffixes)
-    record = _ROOT / "proxy" / "native_built.py"
+    record = _ROOT / "proxy" / RECORD
     built = runpy.run_path(str(record)).get("DIGESTS", {}) if record.exists() else {}
     if not group or not built or built != digests():
         return present

@@ -139,7 +139,4 @@ def pytest_report_header(config: Any) -> str:
     """Whether the routing decision runs compiled (proxy/native.py) or from source, and why."""
     from proxy import native
 
-    done = native.compiled()
-    if done:
-        return f"vllm-proxy: {len(done)} of {len(native.MODULES)} routing modules compiled (mypyc)"
-    return f"vllm-proxy: routing modules from source ({native.why_sources or 'not compiled'})"
+    return f"vllm-proxy: routing decision {native.describe()}"

@@ -104,8 +104,10 @@ def render_chat(data: dict[str, Any]) -> tuple[bytes, int]:
 
 
 def render_prompt(prompt: Any) -> bytes:
-    """Completions: a string, the first of a batch, or token ids."""
-    if isinstance(prompt, list) and prompt:
+    """Completions: a string, token ids, or the first of a batch of either (a list of token ids is
+    one prompt, not a batch: taking its first id gave every token-id prompt the same empty key,
+    one tenant for all of them)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt.encode("utf-8", "surrogatepass")

@@ -65,6 +65,19 @@ def test_prefix_keys_share_the_system_part_and_differ_by_model() -> None:
     assert not set(a.chain) & set(c.chain)
 
 
+def test_token_id_prompts_are_keyed_by_their_tokens() -> None:
+    """A completion prompt of token ids (or a batch of them) is keyed by its ids: different
+    prompts, different tenants; a batch by its first prompt."""
+    def key(prompt):
+        return prefix_key(False, {"prompt": prompt}, MODEL, 16, 64)
+    a, b = list(range(1, 200)), list(range(500, 700))
+    assert key(a).pin != key(b).pin and key(a).chain and key(b).chain
+    assert key(a) == key([a, b]) and key(a) != key([b, a])
+    shared = len(key(a).chain) - 1  # (the last block may hold the closing bracket)
+    assert key(a + [7, 8, 9]).chain[:shared] == key(a).chain[:shared]  # a shared prefix shares blocks
+    assert key("some text " * 10) == key(["some text " * 10, "other"])
+
+
 def test_system_part_hashes_are_kept_without_changing_keys() -> None:
     """The system part's block hashes are computed once per tenant (they are most of a chat
     request's chain); keys are the same as computed from scratch, whatever the block count, and

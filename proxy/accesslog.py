@@ -142,9 +142,10 @@ class LineWriter(logging.Handler):
             self._write(b"".join(lines[start:]))
 
     def _write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view):]
+        # (no `view[os.write(...):]`: compiled, mypyc evaluates a slice's bound twice: two writes)
+        done = os.write(self.fd, data)
+        while done < len(data):  # a short write (a full pipe): the rest
+            done += os.write(self.fd, data[done:])
 
 
 def install_handler(path: str | None) -> LineWriter | None:
@@ -199,7 +200,7 @@ class AccessLog:
         if len(handlers) == 1 and handlers[0] is self.writer and not log.filters and not log.disabled:
             self.writer.line(line)  # our handler alone: skip building a LogRecord
         else:  # makeRecord + handle: what log.log() does, without its stack walk for the caller
-            log.handle(log.makeRecord(LOGGER, self.level, "", 0, line[:-1].decode(), None, None))
+            log.handle(log.makeRecord(LOGGER, self.level, "", 0, line[:-1].decode(), (), None))
 
     def _fragments(self, fixed: tuple) -> tuple[bytes, bytes, bytes]:
         endpoint, deployment, backend, route, stream, key = fixed

@@ -105,7 +105,7 @@ class _Exchange:
         self.size = 0
         self.over = False
         self.closed = False
-        self.bucket = None
+        self.bucket: set | None = None
         self.deadline = now + timeouts.total
         self.headed = False
         self.track = rt.upstream.begin(lease.backend, attempt.progress, self)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from bisect import bisect_left
 from time import perf_counter
+from typing import Callable
 
 import httpx
 
@@ -77,7 +78,7 @@ class Progress:
 
     def __init__(self, arrival: float = 0.0, itl=None, marker: bytes = b"data:") -> None:
         self.started = False
-        self.on_first = None  # called when the first SSE data event is relayed (a coalescing leader's release)
+        self.on_first: Callable[[], None] | None = None  # called when the first SSE data event is relayed (a coalescing leader's release)
         self.arrival = arrival  # request arrival
         self.itl = itl
         self.proxy_s = 0.0  # proxy time so far: arrival -> upstream request, upstream headers -> our headers
@@ -341,8 +342,10 @@ async def _relay_timed(
         progress.tail = tail
 
 
-def _usage_first(chunk: bytes) -> bool:
+def _usage_first(chunk: bytes | None) -> bool:
     """Whether the chunk's first event is the usage-only one (`"choices":[]`), not a token event."""
+    if chunk is None:
+        return False
     at = chunk.find(b'"choices":[]')
     if at < 0:
         return False

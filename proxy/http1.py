@@ -19,7 +19,7 @@ import asyncio
 import logging
 import ssl
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import httptools
 
@@ -65,7 +65,7 @@ class Response:
         self.unsent = False  # the connection died before the request was written: nothing reached the upstream
         # Called instead of waking a waiter, for an exchange driven by callbacks (proxy/fastpath.py):
         # at the end of the read that made progress (never inside the parser), or at once otherwise.
-        self.notify = None
+        self.notify: Callable[[], None] | None = None
 
     # -- fed by the protocol --------------------------------------------------------------
     def _wake(self) -> None:
@@ -187,8 +187,8 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: "Pool", key: tuple) -> None:
         self.pool = pool
         self.key = key
-        self.transport: asyncio.Transport = None  # type: ignore[assignment]
-        self.parser = None
+        self.transport: Any = None  # (uvloop's or asyncio's; None until connected)
+        self.parser: Any = None
         self.response: Optional[Response] = None
         self.closed = False
         self.idle_since = 0.0
@@ -199,7 +199,7 @@ class _Connection(asyncio.Protocol):
         self.feeding = False  # inside data_received: a callback-driven response is notified after it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport
 
     def start(self, request: bytes, idle_timeout: float, deadline: float) -> Response:
         self.response = response = Response(self, idle_timeout, deadline)
@@ -278,48 +278,49 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         size = len(name)
+        response: Response = self.response  # type: ignore[assignment]  # (parser callbacks run while it is set)
         if size == 12 and name.lower() == b"content-type":
-            self.response.content_type = value  # type: ignore[union-attr]
+            response.content_type = value
         elif size == 14 and name.lower() == b"content-length":
             self._framed = True
             try:
-                self.response.content_length = int(value)  # type: ignore[union-attr]
+                response.content_length = int(value)
             except ValueError:
                 pass  # llhttp refuses it
         elif size == 17 and name.lower() == b"transfer-encoding":
             self._framed = True
 
     def on_headers_complete(self) -> None:
-        response = self.response
-        if response.done:  # type: ignore[union-attr]
+        response: Response = self.response  # type: ignore[assignment]
+        if response.done:
             raise _Stop  # a second response to one request: never read it as the next request's answer
-        status = self.parser.get_status_code()  # type: ignore[union-attr]
+        status = self.parser.get_status_code()
         if 100 <= status < 200:
             if status == 101:  # we never ask for an upgrade
-                response._fail(UpstreamError("protocol", "the upstream switched protocols unasked (101)"))  # type: ignore[union-attr]
+                response._fail(UpstreamError("protocol", "the upstream switched protocols unasked (101)"))
                 raise _Stop
             self._interim = True  # 100 Continue, 102, 103 Early Hints: the real answer follows
             self._framed = False
-            response.content_type = b"application/json"  # type: ignore[union-attr]
-            response.content_length = -1  # type: ignore[union-attr]
+            response.content_type = b"application/json"
+            response.content_length = -1
             return
         if not 200 <= status <= 599:
-            response._fail(UpstreamError("protocol", f"the upstream answered with status {status}"))  # type: ignore[union-attr]
+            response._fail(UpstreamError("protocol", f"the upstream answered with status {status}"))
             raise _Stop
-        response.status = status  # type: ignore[union-attr]
-        response._wake()  # type: ignore[union-attr]
+        response.status = status
+        response._wake()
 
     def on_body(self, body: bytes) -> None:
-        self.response._feed(body)  # type: ignore[union-attr]
+        self.response._feed(body)  # type: ignore[union-attr]  # (set while the parser runs)
 
     def on_message_complete(self) -> None:
         if self._interim:
             self._interim = False
             return
-        response = self.response
-        response.keep_alive = self.parser.should_keep_alive()  # type: ignore[union-attr]
-        response.done = True  # type: ignore[union-attr]
-        response._wake()  # type: ignore[union-attr]
+        response: Response = self.response  # type: ignore[assignment]
+        response.keep_alive = self.parser.should_keep_alive()
+        response.done = True
+        response._wake()
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self.closed = True

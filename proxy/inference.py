@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import os
 import time
+from typing import Any
 
 import orjson
 
@@ -150,17 +151,17 @@ class Call:
         self.rid = rid = request_id.encode("ascii")
         self.id_header = [(b"x-request-id", rid)]
         self.parsed: ParsedRequest = None  # type: ignore[assignment]
-        self.route: Route | None = None
+        self.route: Route = None  # type: ignore[assignment]  # (set by `resolve`, before any use)
         self.trusted_only = False
         self.body = b""
-        self.watch = None
+        self.watch: Any = None  # a DisconnectWatch, or our server's own (LeanCycle.arm)
 
     def resolve(self, rt: Runtime, body: bytes) -> None:
         """Parse the body once and find its deployment (a 404 if the model is unknown or not the
         client's). Leaves `body` as read: the rewrite, if any, follows the multimodal check."""
         spec = self.spec
         parsed = self.parsed = parse_request(self.endpoint, body) if spec is None else spec.parse(self.scope, body)
-        route = self.route = rt.catalog.get(parsed.model)
+        route = self.route = rt.catalog.get(parsed.model)  # type: ignore[assignment]  # (None: the 404's label)
         scope = self.scope
         if route is None or (CLIENT in scope and not scope[CLIENT].may_use(route.name)):
             raise model_not_found(parsed.model)

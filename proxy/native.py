@@ -38,6 +38,13 @@ MODULES = (
     "proxy.routing.affinity.placement",
     "proxy.routing.affinity.balance",
     "proxy.routing.affinity.policy",
+    # the request path around it
+    "proxy.parse",
+    "proxy.accesslog",
+    "proxy.http1",
+    "proxy.forward",
+    "proxy.routing.scheduler",
+    "proxy.fastpath",
 )
 GROUP = "vllm_proxy_native"  # the shared library's name (<GROUP>__mypyc), beside the package
 RECORD = "native_built.py"  # in the package: the digests of the sources compiled (setup.py writes it)

@@ -154,7 +154,7 @@ def media_part(param: str, part: object, known: frozenset[str] = MEDIA_PARTS) ->
     """The content part at `param` as vLLM will read it: None for text, a MediaPart for media
     (`known` types), else a 400 — a type we do not know could carry a URL we do not check."""
     kind = part.get("type") if isinstance(part, dict) else None
-    if not isinstance(kind, str):
+    if not isinstance(kind, str) or not isinstance(part, dict):
         raise bad_request(f"`{param}` must be an object with a string `type`.", param=param, code="invalid_type")
     if kind in TEXT_PARTS and part.get("uuid") is None:
         return None

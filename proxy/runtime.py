@@ -76,7 +76,8 @@ class Runtime:
             self.policy = self.tracing.policy(self.policy)
         self.catalog: dict[str, Route] = {}
         self.rebuild_catalog()
-        self.upstream = getattr(previous.upstream, "inner", previous.upstream) if previous else Upstream(config.server)
+        # (Any: the tracing wrapper stands in for it when tracing is on)
+        self.upstream: Any = getattr(previous.upstream, "inner", previous.upstream) if previous else Upstream(config.server)
         if self.tracing is not None:
             self.upstream = self.tracing.upstream(self.upstream)
         self.owner = previous is None  # opens the process-wide parts; the owner at the end closes them (hand_over)

@@ -77,3 +77,29 @@ def test_sources_are_imported_when_asked() -> None:
     policy, prefix, why = out.stdout.split()
     assert policy.endswith("policy.py") and prefix.endswith("prefix.py")
     assert why == "'VLLM_PROXY_NATIVE=0'"
+
+
+_PURE = {"len", "min", "max", "int"}  # calls a slice bound may make: evaluating them twice changes nothing
+
+
+def _twice_evaluated(source: str) -> list[int]:
+    """Lines where a slice bound calls something with a possible side effect: compiled, mypyc
+    evaluates a bound of `x[a:b]` twice on a sequence it does not know (`view[os.write(fd, view):]`
+    wrote every access-log line twice)."""
+    import ast
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Slice):
+            for bound in (node.lower, node.upper, node.step):
+                for call in ast.walk(bound) if bound is not None else ():
+                    if isinstance(call, ast.Call) and not (isinstance(call.func, ast.Name) and call.func.id in _PURE):
+                        lines.append(node.lineno)
+    return lines
+
+
+def test_compiled_modules_have_no_slice_bound_with_side_effects() -> None:
+    assert _twice_evaluated("view = view[os.write(fd, view):]\n") == [1]
+    assert _twice_evaluated("rest = data[len(data) - keep:]\n") == []
+    found = {name: _twice_evaluated((ROOT / (name.replace(".", "/") + ".py")).read_text()) for name in native.MODULES}
+    assert {name: lines for name, lines in found.items() if lines} == {}

@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test redis bench clean
 
-# The routing decision's modules are compiled in place by the install (setup.py, proxy/native.py);
+# The routing decision's and the request path's modules are compiled in place by the install (setup.py, proxy/native.py);
 # after an edit of the package, `make` compiles them again (until then they run from source).
 NATIVE     := $(VENV)/.native
 NATIVE_SRC := setup.py $(shell find proxy -name '*.py' -not -name native_built.py)

@@ -163,7 +163,7 @@ class Runtime:
         if hasattr(policy, "serve"):  # the policy's background work (prefix_affinity's packing repair)
             tasks.spawn(policy.serve(), "packing repair")
         log.info(
-            "serving %d deployments over %d backends (%d healthy); routing decision %s",
+            "serving %d deployments over %d backends (%d healthy); routing decision and request path %s",
             len(self.catalog), len(self.backends), sum(b.healthy for b in self.backends), native.describe(),
         )
 

@@ -136,7 +136,7 @@ def eventually(predicate: Predicate, timeout: float = 10.0, interval: float = 0.
 
 
 def pytest_report_header(config: Any) -> str:
-    """Whether the routing decision runs compiled (proxy/native.py) or from source, and why."""
+    """Whether the routing decision and request path run compiled (proxy/native.py) or from source, and why."""
     from proxy import native
 
-    return f"vllm-proxy: routing decision {native.describe()}"
+    return f"vllm-proxy: routing decision and request path {native.describe()}"

@@ -52,7 +52,7 @@ class OptionalNative(build_ext):
         try:
             super().run()
         except Exception as exc:  # (setuptools raises its own CompileError/LinkError classes)
-            print(f"vllm-proxy: compiling the routing modules failed ({exc}); building plain Python",
+            print(f"vllm-proxy: compiling the modules of proxy/native.py failed ({exc}); building plain Python",
                   file=sys.stderr)
             for ext in self.extensions:
                 Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
@@ -83,7 +83,7 @@ def native_extensions() -> list:
         return mypycify(["--ignore-missing-imports", "--follow-imports=silent", *paths],
                         opt_level="3", group_name=NATIVE["GROUP"])
     except (SystemExit, Exception) as exc:
-        print(f"vllm-proxy: mypyc rejected the routing modules ({exc}); building plain Python", file=sys.stderr)
+        print(f"vllm-proxy: mypyc rejected the modules of proxy/native.py ({exc}); building plain Python", file=sys.stderr)
         _record(HERE, None)
         return []
 

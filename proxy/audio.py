@@ -11,7 +11,7 @@ from __future__ import annotations
 from proxy import inference
 from proxy.asgi import Receive, Scope, Send, header
 from proxy.errors import bad_request
-from proxy.inference import Spec
+from proxy.spec import Spec
 from proxy.multipart import Field, MultipartError, fields
 from proxy.parse import ParsedRequest, require_model
 from proxy.routing.backends import Backend

@@ -29,6 +29,7 @@ from proxy.forward import UpstreamFailure, as_failure, plain_answer
 from proxy.http1 import Response, UpstreamError, body_too_large
 from proxy.inference import Attempt, Call
 from proxy.routing.scheduler import Lease
+from proxy.spec import JSON_BODY
 from proxy.runtime import Runtime
 
 log = logging.getLogger("vllm_proxy")
@@ -42,15 +43,14 @@ def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
         return False
     call = Call(cycle.scope, endpoint, None, started)
     try:
-        call.resolve(rt, body)
+        parsed, route = call.resolve(rt, body)
     except ProxyError:
         return False  # the usual path answers it
-    parsed, route = call.parsed, call.route
     if parsed.stream or parsed.multimodal:
         return False
-    if route.rewrite:  # type: ignore[union-attr]
-        call.body = inference.JSON_BODY.rewrite(parsed, body, route)
-    lease = rt.scheduler.schedule_now(route, parsed)  # type: ignore[arg-type]
+    if route.rewrite:
+        call.body = JSON_BODY.rewrite(parsed, body, route)
+    lease = rt.scheduler.schedule_now(route, parsed)
     if lease is None:  # it would wait (for a slot, an adapter), or answer a 503: the usual path
         return False
     cycle.take_body()  # (`body`: peeked already)
@@ -70,12 +70,12 @@ def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
 
 
 def _begin(rt: Runtime, call: Call, cycle: Any, lease: Lease, endpoint: str) -> None:
-    parsed, route = call.parsed, call.route
+    parsed, route = call.decided()
     rt.retries.deposit()
     response = None
     if parsed.wait_for is None:  # (else its prompt is being computed on that replica: wait in a task)
         backend = lease.backend
-        timeouts = route.timeouts or rt.upstream.server.timeouts  # type: ignore[union-attr]
+        timeouts = route.timeouts or rt.upstream.server.timeouts
         request = backend.request_head(endpoint, len(call.body), call.rid) + call.body
         now = cycle.protocol.loop.time()
         response = rt.upstream.pool.start_pooled(backend.origin, request, timeouts, now)
@@ -177,7 +177,7 @@ class _Exchange:
         try:
             payload, headers = plain_answer(
                 response.status, response.content_type, payload, attempt.progress,
-                inference.response_headers(rt, call.id_header, backend, reason), call.route.rename, True,  # type: ignore[union-attr]
+                inference.response_headers(rt, call.id_header, backend, reason), lease.route.rename, True,
             )
         except UpstreamFailure as failure:  # a 502/503/504: another replica may take it
             response.close()
@@ -214,7 +214,7 @@ class _Exchange:
             return True
         attempt = self.attempt
         if self.cycle.gone:
-            attempt.gone(self.call.route)  # type: ignore[arg-type]
+            attempt.gone(self.lease.route)
             self._close()
             inference.account(self.rt, self.call, attempt.status, attempt.progress, attempt.series,
                               self.lease.backend, self.lease.reason)

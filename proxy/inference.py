@@ -8,8 +8,6 @@ import os
 import time
 from typing import Any
 
-import orjson
-
 from proxy.accesslog import usage_tokens
 from proxy.asgi import DISCONNECT, Receive, Scope, Send, header, send_error
 from proxy.auth import CLIENT, key_name
@@ -20,6 +18,7 @@ from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
 from proxy.routing.scheduler import Lease
 from proxy.runtime import Runtime
+from proxy.spec import JSON_BODY, Spec
 from proxy.watchdog import poisoned
 
 CLIENT_CLOSED = "499"
@@ -104,35 +103,6 @@ class DisconnectWatch:
 _background: set[asyncio.Task] = set()  # strong references to running watchers
 
 
-class Spec:
-    """How an endpoint other than chat/completions/embeddings differs on this same path (proxy/passthrough.py,
-    proxy/responses.py, proxy/audio.py): its parse, its choice of replica, its body rewrite, its request head."""
-
-    marker = b"data:"  # what a streamed chunk carrying a token contains (for TTFT/ITL)
-
-    def parse(self, scope: Scope, body: bytes) -> ParsedRequest:
-        raise NotImplementedError
-
-    async def choose(self, rt: Runtime, route: Route, parsed: ParsedRequest, trusted_only: bool = False,
-                     exclude: list[Backend] | None = None) -> Lease:
-        return await rt.scheduler.schedule(route, parsed, trusted_only, exclude)
-
-    def rewrite(self, parsed: ParsedRequest, body: bytes, route: Route) -> bytes:
-        parsed.data["model"] = route.upstream_id
-        return orjson.dumps(parsed.data)
-
-    def usage(self, progress: Progress, stream: bool) -> bytes | None:
-        """Where the replica's `usage` object is: a stream's last token chunk, else the body."""
-        return progress.tail if stream else progress.body
-
-    def head(self, backend: Backend, endpoint: str) -> bytes | None:
-        head = backend.heads.get(endpoint)
-        if head is None:  # kept per endpoint path (a fixed, small set)
-            head = backend.heads[endpoint] = backend.head_prefix("POST", endpoint)
-        return head
-
-
-JSON_BODY = Spec()  # the chat/completions/embeddings behaviour of the rarely taken steps
 
 
 class Call:
@@ -150,22 +120,30 @@ class Call:
         self.request_id = request_id = _request_id(scope)
         self.rid = rid = request_id.encode("ascii")
         self.id_header = [(b"x-request-id", rid)]
-        self.parsed: ParsedRequest = None  # type: ignore[assignment]
-        self.route: Route = None  # type: ignore[assignment]  # (set by `resolve`, before any use)
+        self.parsed: ParsedRequest | None = None  # (both found by `resolve`)
+        self.route: Route | None = None
         self.trusted_only = False
         self.body = b""
         self.watch: Any = None  # a DisconnectWatch, or our server's own (LeanCycle.arm)
 
-    def resolve(self, rt: Runtime, body: bytes) -> None:
+    def resolve(self, rt: Runtime, body: bytes) -> tuple[ParsedRequest, Route]:
         """Parse the body once and find its deployment (a 404 if the model is unknown or not the
         client's). Leaves `body` as read: the rewrite, if any, follows the multimodal check."""
         spec = self.spec
         parsed = self.parsed = parse_request(self.endpoint, body) if spec is None else spec.parse(self.scope, body)
-        route = self.route = rt.catalog.get(parsed.model)  # type: ignore[assignment]  # (None: the 404's label)
+        route = self.route = rt.catalog.get(parsed.model)  # (kept even when refused: the 404's label)
         scope = self.scope
         if route is None or (CLIENT in scope and not scope[CLIENT].may_use(route.name)):
             raise model_not_found(parsed.model)
         self.body = body
+        return parsed, route
+
+    def decided(self) -> tuple[ParsedRequest, Route]:
+        """The parsed body and the deployment that `resolve` found."""
+        parsed, route = self.parsed, self.route
+        if parsed is None or route is None:
+            raise RuntimeError("the request was not resolved")
+        return parsed, route
 
 
 async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoint: str, spec: Spec | None = None) -> None:
@@ -198,8 +176,7 @@ async def _decide(rt: Runtime, call: Call, receive: Receive) -> Lease:
     # From here a client that leaves cancels this task (also while it waits for a slot).
     lean = scope.get(DISCONNECT)
     call.watch = lean.arm() if lean is not None else DisconnectWatch(receive)
-    call.resolve(rt, body)
-    parsed, route = call.parsed, call.route
+    parsed, route = call.resolve(rt, body)
     changed = False
     if parsed.multimodal:
         call.trusted_only, changed = await rt.multimodal.check(parsed, route)
@@ -216,7 +193,8 @@ async def serve(rt: Runtime, call: Call, send: Send, lease: Lease, first: "Attem
     request's metrics and log line. Begun outside this task (proxy/fastpath.py): `first`, an
     attempt already over; `begun`, one counted whose request never reached the replica."""
     metrics = rt.metrics
-    route, parsed, spec, watch = call.route, call.parsed, call.spec, call.watch
+    parsed, route = call.decided()
+    spec, watch = call.spec, call.watch
     tried: list[Backend] = []
     attempt = first
     try:
@@ -268,12 +246,12 @@ def account(rt: Runtime, call: Call, status: str, progress: Progress, series, ba
         if ttft is not None:
             series.ttft.observe(ttft)
     key = key_name(call.scope)
-    tokens = usage_tokens((call.spec or JSON_BODY).usage(progress, call.parsed.stream))
-    route = call.route
+    parsed, route = call.decided()
+    tokens = usage_tokens((call.spec or JSON_BODY).usage(progress, parsed.stream))
     rt.metrics.count_key(key, status, route.name, tokens)
     access = rt.access
     if access is not None and access.wanted():
-        access.write(call.request_id, call.endpoint, route.name, backend.name, reason, status, call.parsed.stream,
+        access.write(call.request_id, call.endpoint, route.name, backend.name, reason, status, parsed.stream,
                      ended - started, ttft, overhead, tokens, key)
 
 
@@ -312,7 +290,7 @@ class Attempt:
         self.failure: UpstreamFailure | None = None
         in_flight = self.in_flight = metrics.child(metrics.in_flight, backend.name)
         in_flight.inc()
-        series = self.series = metrics.series(call.route.name, backend.name, call.endpoint)  # type: ignore[union-attr]
+        series = self.series = metrics.series(lease.route.name, backend.name, call.endpoint)
         spec = call.spec
         self.progress = progress = (Progress(call.started, series.stream_sink) if spec is None else
                                     Progress(call.started, series.stream_sink, spec.marker))
@@ -371,7 +349,7 @@ async def after_failure(rt: Runtime, call: Call, send: Send, lease: Lease, attem
 async def _attempt(rt: Runtime, call: Call, send: Send, lease: Lease, attempt: Attempt | None = None) -> Attempt:
     if attempt is None:
         attempt = Attempt(rt, call, lease)
-    backend, reason, spec, route = lease.backend, lease.reason, call.spec, call.route
+    backend, reason, spec, route = lease.backend, lease.reason, call.spec, lease.route
     parsed = lease.request
     try:
         if parsed is not None and parsed.wait_for is not None:  # its prompt is being computed there
@@ -379,14 +357,14 @@ async def _attempt(rt: Runtime, call: Call, send: Send, lease: Lease, attempt: A
             await follow()
         code = await rt.upstream.exchange(
             backend, call.endpoint, call.body, call.rid, send, response_headers(rt, call.id_header, backend, reason),
-            attempt.progress, route.rename, retryable=True, timeouts=route.timeouts,  # type: ignore[union-attr]
+            attempt.progress, route.rename, retryable=True, timeouts=route.timeouts,
             head=None if spec is None else spec.head(backend, call.endpoint),
         )
         attempt.answered(code)
     except asyncio.CancelledError:
         if not call.watch.gone:
             raise
-        attempt.gone(route)  # type: ignore[arg-type]
+        attempt.gone(route)
     except (UpstreamFailure, StreamBroken) as exc:
         await attempt.failed(exc)
     finally:

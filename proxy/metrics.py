@@ -20,7 +20,7 @@ import time
 from bisect import bisect_left
 import shutil
 import tempfile
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
@@ -78,7 +78,14 @@ class _Noop:
     def inc(self, amount: float = 1) -> None:
         pass
 
-    dec = set = observe = inc
+    def dec(self, amount: float = 1) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
 
     def flush(self) -> None:
         pass
@@ -116,7 +123,7 @@ class DeferredGauge:
     def __init__(self, child) -> None:
         self.child = child
         self.value = 0.0
-        self.shown = None
+        self.shown: float | None = None
 
     def inc(self, amount: float = 1) -> None:
         self.value += amount
@@ -177,7 +184,7 @@ class Series:
         self.overhead = metrics.child(metrics.overhead, endpoint)
 
     @property
-    def stream_sink(self):
+    def stream_sink(self) -> Any:
         """Where a stream relay counts its inter-token gaps (None: do not time streams)."""
         return self.itl if self.metrics.enabled else self.metrics.discard
 

@@ -50,6 +50,8 @@ MODULES = (
     "proxy.forward",
     "proxy.routing.scheduler",
     "proxy.fastpath",
+    "proxy.inference",
+    "proxy.metrics",
 )
 GROUP = "vllm_proxy_native"  # the shared library's name (<GROUP>__mypyc), beside the package
 RECORD = "native_built.py"  # in the package: the digests of the sources compiled (setup.py writes it)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from proxy.asgi import Scope
 from proxy.errors import bad_request
-from proxy.inference import Spec
+from proxy.spec import Spec
 from proxy.parse import MediaPart, ParsedRequest, _check_messages, media_part, _json_type, decode, require_model
 
 # path -> groups of fields, one group of which must be present in full

@@ -23,7 +23,7 @@ from proxy import inference
 from proxy.asgi import DISCONNECT, Receive, Scope, Send, send_error
 from proxy.errors import ProxyError, bad_request
 from proxy.forward import Progress, StreamBroken
-from proxy.inference import Spec
+from proxy.spec import Spec
 from proxy.parse import CHAT, MEDIA_PARTS, MediaPart, ParsedRequest, _json_type, decode, media_part, require_model
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route

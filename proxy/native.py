@@ -3,10 +3,11 @@
 The routing decision of `prefix_affinity` is a few thousand interpreted bytecodes per request
 (prefix keys, the load bound, tenant shares, the balance guard), spread over small functions with
 no single hotspot: compiled, the same source decides the same way in about half the instructions
-(loadtest.pick_cost). The plain request's path around it (parse, scheduler, the callback-driven
-exchange, the upstream client, the access log) is compiled too: ~13 % fewer instructions a
-request (loadtest.instructions). Not compiled: the server protocol (it subclasses uvicorn's), the
-task path and its `Spec` (interpreted modules subclass it), metrics. setup.py compiles these
+(loadtest.pick_cost). The request's path around it (parse, scheduler, the callback-driven
+exchange and the task path, the upstream client, metrics, the access log) is compiled too: ~19 %
+fewer instructions a request (loadtest.instructions). Not compiled: the server protocol (it
+subclasses uvicorn's and is configured through class attributes), proxy/spec.py (interpreted
+endpoints subclass it), the shared state (background I/O). setup.py compiles these
 modules when mypyc is at hand, and the package runs as plain Python when it is not
 (`VLLM_PROXY_COMPILE=0` at build time, or no compiler): both are the same code, so every test
 holds for both (compiled code checks declared types: a declaration must be true, not merely

@@ -28,9 +28,11 @@ from proxy.errors import ProxyError
 from proxy.forward import UpstreamFailure, as_failure, plain_answer
 from proxy.http1 import Response, UpstreamError, body_too_large
 from proxy.inference import Attempt, Call
+from proxy.parse import ParsedRequest
+from proxy.routing.catalog import Route
 from proxy.routing.scheduler import Lease
-from proxy.spec import JSON_BODY
 from proxy.runtime import Runtime
+from proxy.spec import JSON_BODY
 
 log = logging.getLogger("vllm_proxy")
 
@@ -56,7 +58,7 @@ def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
     cycle.take_body()  # (`body`: peeked already)
     call.watch = cycle.arm()
     try:
-        _begin(rt, call, cycle, lease, endpoint)
+        _begin(rt, call, cycle, lease, endpoint, parsed, route)
     except Exception:  # noqa: BLE001 - a bug: answered as the task path answers one (500), never left hanging
         log.exception("a plain request served in callbacks failed")
         exchange = cycle.task
@@ -69,8 +71,8 @@ def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
     return True
 
 
-def _begin(rt: Runtime, call: Call, cycle: Any, lease: Lease, endpoint: str) -> None:
-    parsed, route = call.decided()
+def _begin(rt: Runtime, call: Call, cycle: Any, lease: Lease, endpoint: str, parsed: ParsedRequest,
+           route: Route) -> None:
     rt.retries.deposit()
     response = None
     if parsed.wait_for is None:  # (else its prompt is being computed on that replica: wait in a task)

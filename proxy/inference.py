@@ -103,8 +103,6 @@ class DisconnectWatch:
 _background: set[asyncio.Task] = set()  # strong references to running watchers
 
 
-
-
 class Call:
     """One request on this path, as its steps share it: the client's side (scope, id, endpoint,
     disconnect watch) and what was decided (parsed body, deployment, the body to forward)."""

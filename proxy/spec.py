@@ -16,8 +16,7 @@ from proxy.runtime import Runtime
 
 
 class Spec:
-    """How an endpoint other than chat/completions/embeddings differs on this same path (proxy/passthrough.py,
-    proxy/responses.py, proxy/audio.py): its parse, its choice of replica, its body rewrite, its request head."""
+    """The default steps (chat/completions/embeddings); an endpoint overrides those it does differently."""
 
     marker = b"data:"  # what a streamed chunk carrying a token contains (for TTFT/ITL)
 

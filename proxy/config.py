@@ -297,6 +297,12 @@ class AffinityConfig(Strict):
         "replica for a while after the workload changes)"
     )
     balance_epsilon: float = Field(0.03, ge=0, le=10, description="headroom of the balance guard over the mean")
+    balance_burst: float = Field(
+        20.0, ge=0, description="balance guard, over any stretch of consecutive requests however short or long: no "
+        "replica takes more than (1 + balance_epsilon) x its share of the stretch + this many of them (a replica "
+        "that ran light cannot take back what it did not take: with phases of half the window, one took 1.5x the "
+        "mean); 0 turns this bound off"
+    )
     speed_balance: float = Field(
         0.35, ge=0, le=1, description="a replica that decodes k times slower than the fastest (its scraped inter-token "
         "latency; 1.5x or more on two scrapes in a row, else replicas count alike) counts 1 + speed_balance x (k - 1) per request in the load "

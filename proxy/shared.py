@@ -59,6 +59,9 @@ GUARD_KEY = "vp:guard"  # field: proxy id|route -> its balance window: replicas,
 # measured rate, so the same number of requests at any rate), or this, is not counted: that
 # proxy went idle or away
 _GUARD_FRESH_S = 1.0
+# the other proxies' balance windows of one (route, replicas), summed: decisions in their windows,
+# replica -> its count there, and for the stretch bound their decisions and replica -> picks so far
+RemoteWindow = tuple[int, dict[str, int], int, dict[str, int]]
 PINS_KEY = "vp:pins"  # field: pin key (hex) -> "replica,replica,...|unix time of the last write"
 LOG_KEY = "vp:log"  # stream of changes: p = proxy id, i = index entries, t = placements changed
 _LOG_MAXLEN = 10000  # entries kept (at most one per proxy and flush, up to 50 a second): the recent past, bounded
@@ -209,10 +212,10 @@ class SharedState:
         self._tenants_routed = 0
         # the balance guard's windows (route -> (replicas, decisions, counts in replica order)); set
         # by the policy. The others' windows, summed per (route, replicas): (decisions, name -> count)
-        self.local_guard: Callable[[], dict[str, tuple[tuple[str, ...], int, list[int], list]]] | None = None
+        self.local_guard: Callable[[], dict[str, tuple[tuple[str, ...], int, list[int], list, int, list[int]]]] | None = None
         # (route, replicas, [(pin, replica, wall)]): the other proxies' recent overflows
         self.adopt_overflows: Callable[[str, tuple[str, ...], list[tuple[int, str, float]]], None] | None = None
-        self.remote_guard: dict[tuple[str, tuple[str, ...]], tuple[int, dict[str, int]]] = {}
+        self.remote_guard: dict[tuple[str, tuple[str, ...]], RemoteWindow] = {}
         self._guard_fields: set[str] = set()
         # the others' windows as last read: field -> (its raw value, parsed); one that did not
         # change (no decision there since) is not parsed again
@@ -596,8 +599,9 @@ class SharedState:
         if self.local_guard is not None and busy:
             windows = {f"{self.proxy_id}|{route}": orjson.dumps({
                 "at": now, "names": names, "filled": filled, "counts": counts,
-                "overflow": [(f"{pin:016x}", name, at) for pin, name, at in overflow]})
-                for route, (names, filled, counts, overflow) in self.local_guard().items()}
+                "overflow": [(f"{pin:016x}", name, at) for pin, name, at in overflow],
+                "decided": decided, "picks": picks})
+                for route, (names, filled, counts, overflow, decided, picks) in self.local_guard().items()}
             if windows:
                 pipe.hset(GUARD_KEY, mapping=windows)
                 self._guard_fields.update(windows)
@@ -610,10 +614,10 @@ class SharedState:
         if self.local_guard is not None:
             self.remote_guard = self._other_windows(results[-2], time.time())
 
-    def _other_windows(self, table: dict[str, str], now: float) -> dict[tuple[str, tuple[str, ...]], tuple[int, dict[str, int]]]:
-        """The other proxies' fresh balance windows, summed per (route, replicas): a proxy that
-        sees another fleet (a change not yet seen by all) or went idle is left out."""
-        out: dict[tuple[str, tuple[str, ...]], tuple[int, dict[str, int]]] = {}
+    def _other_windows(self, table: dict[str, str], now: float) -> dict[tuple[str, tuple[str, ...]], RemoteWindow]:
+        """The other proxies' fresh balance windows, summed per (route, replicas) (`RemoteWindow`):
+        a proxy that sees another fleet (a change not yet seen by all) or went idle is left out."""
+        out: dict[tuple[str, tuple[str, ...]], RemoteWindow] = {}
         stale = []
         fresh = max(_GUARD_FRESH_S, self.rate_tau)
         read, self._guard_read = self._guard_read, {}
@@ -627,16 +631,18 @@ class SharedState:
                     entry = orjson.loads(value)
                     names = tuple(str(name) for name in entry["names"])
                     counts = [int(n) for n in entry["counts"]]
-                    if len(counts) != len(names):
+                    picks = [int(n) for n in entry.get("picks", counts)]
+                    if len(counts) != len(names) or len(picks) != len(names):
                         raise ValueError(field)
                     parsed = (float(entry["at"]), names, int(entry["filled"]), counts,
-                              [(int(pin, 16), str(name), float(at)) for pin, name, at in entry.get("overflow", ())])
+                              [(int(pin, 16), str(name), float(at)) for pin, name, at in entry.get("overflow", ())],
+                              int(entry.get("decided", 0)), picks)
                 except (ValueError, KeyError, TypeError, AttributeError, orjson.JSONDecodeError):  # not ours: dropped
                     stale.append(field)
                     continue
             else:
                 parsed = known[1]
-            at, names, filled, counts, overflow = parsed
+            at, names, filled, counts, overflow, decided, picks = parsed
             age = now - at
             if age > 2 * fresh + 5.0 or age < -fresh:  # (gone, or a stamp from the future)
                 stale.append(field)
@@ -644,10 +650,11 @@ class SharedState:
             self._guard_read[field] = (value, parsed)
             if age <= fresh:
                 key = (route, names)
-                total, by = out.get(key, (0, {}))
-                for name, n in zip(names, counts):
+                total, by, made, picked = out.get(key, (0, {}, 0, {}))
+                for name, n, p in zip(names, counts, picks):
                     by[name] = by.get(name, 0) + n
-                out[key] = (total + filled, by)
+                    picked[name] = picked.get(name, 0) + p
+                out[key] = (total + filled, by, made + decided, picked)
                 if overflow and self.adopt_overflows is not None:
                     self.adopt_overflows(route, names, overflow)
         if stale:

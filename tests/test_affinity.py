@@ -763,6 +763,60 @@ def test_a_new_population_of_chats_never_overloads_a_replica() -> None:
     assert worst({"balance_window_requests": 0}) > 1.2  # without the guard (what it is for)
 
 
+def test_a_replica_that_ran_light_cannot_take_it_all_back_over_a_shorter_stretch() -> None:
+    """The guard's window caps one length of stretch, its own: a replica wanted for one request
+    in eight over half a window could take the rest of its share in the other half (with phases of
+    400 requests on 4 replicas, 1.5x the mean). Over any stretch, however long, no replica takes
+    more than (1 + eps) x its share + `balance_burst`."""
+    from proxy.routing.affinity.balance import Balance
+
+    bs = backends(4)
+
+    def after_a_light_stretch(burst: float) -> int:
+        guard = Balance(200.0, 0.03, 0.1, burst=burst)
+        for k in range(800):  # a full window, all alike
+            guard.check(MODEL, bs, bs[k % 4], k, (), False, 1.0)
+        for k in range(400):  # gpu-3 wanted for one request in eight
+            guard.check(MODEL, bs, bs[3] if k % 8 == 0 else bs[k % 3], 1000 + k, (), False, 1.0)
+        took = 0
+        for k in range(400):  # then for one in two
+            chosen, _ = guard.check(MODEL, bs, bs[3] if k % 2 == 0 else bs[k % 3], 2000 + k, (), False, 1.0)
+            took += chosen is bs[3]
+        return took
+
+    assert after_a_light_stretch(20.0) <= 1.03 * 100 + 20 + 1
+    assert after_a_light_stretch(0.0) > 140  # the window alone lets it take back its credit
+
+
+def test_the_stretch_bound_counts_the_other_proxies_decisions_as_their_sync_brings_them() -> None:
+    """With several proxies the stretch bound walks over the fleet's decisions: the others'
+    totals since their last sync fold in when they arrive; a fall in them (a proxy left, or began
+    a new window) folds nothing."""
+    from proxy.routing.affinity.balance import Balance
+
+    class Others:  # the shared view's part the guard reads
+        remote_guard: dict = {}
+
+    bs = backends(4)
+    names = [b.name for b in bs]
+    others = Others()
+    key = (MODEL, tuple(sorted(names)))
+    guard = Balance(200.0, 0.03, 0.1, shared=others, wall=lambda: 1000.0, burst=20.0)  # type: ignore[arg-type]
+
+    def report(decided: int, picks: list[int]) -> None:  # a sync: a new entry (the window as 100 each)
+        others.remote_guard = {key: (400, dict.fromkeys(names, 100), decided, dict(zip(names, picks)))}
+
+    for k in range(400):
+        guard.check(MODEL, bs, bs[k % 4], k, (), False, 3.0)
+    report(400, [100, 100, 100, 100])
+    assert guard.check(MODEL, bs, bs[0], 1, (), False, 3.0) == (bs[0], False)
+    report(200, [200, 0, 0, 0])  # one of them left: nothing to fold
+    assert guard.check(MODEL, bs, bs[0], 2, (), False, 3.0) == (bs[0], False)
+    report(400, [400, 0, 0, 0])  # 200 more decisions, all for gpu-0
+    chosen, capped = guard.check(MODEL, bs, bs[0], 3, (), False, 3.0)
+    assert capped and chosen is not bs[0]
+
+
 def test_share_floor_bounds_both_estimates() -> None:
     """The shrink check skips the tenants' share estimates when their cheap floor already rules a
     shrink out: the floor must never exceed either estimate (tenants appearing late, going quiet,

@@ -59,7 +59,8 @@ class PrefixAffinity:
         self.table = TenantTable(config, self.store, self.tenants, timer.time)
         self.repair = Repair(config, self.view, self.tenants, self.table, self.store, timer.time)
         self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack,
-                                config.speed_balance, shared, timer.time, config.speed_balance_epsilon)
+                                config.speed_balance, shared, timer.time, config.speed_balance_epsilon,
+                                config.balance_burst)
                         if config.balance_window_requests else None)
         if shared is not None and self.balance is not None:
             shared.local_guard, shared.adopt_overflows = self.balance.snapshot, self.balance.adopt

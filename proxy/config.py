@@ -357,6 +357,13 @@ class AffinityConfig(Strict):
         "evening out the system prompts per cache within the traffic target (1+eps/2) x mean"
     )
 
+    @field_validator("balance_burst")
+    @classmethod
+    def _burst_whole(cls, value: float) -> float:
+        if 0 < value < 1:
+            raise ValueError("must be 0 (off) or at least 1: under one request every decision would be capped")
+        return value
+
 
 class PluginSpec(Strict):
     """One plugin of a routing profile: its registered name and parameters (a bare name is fine)."""

@@ -60,7 +60,8 @@ GUARD_KEY = "vp:guard"  # field: proxy id|route -> its balance window: replicas,
 # proxy went idle or away
 _GUARD_FRESH_S = 1.0
 # the other proxies' balance windows of one (route, replicas), summed: decisions in their windows,
-# replica -> its count there, and for the stretch bound their decisions and replica -> picks so far
+# replica -> its count there, and for the stretch bound the decisions and replica -> picks they
+# made since this proxy first saw them (only ever growing while the same proxies stay)
 RemoteWindow = tuple[int, dict[str, int], int, dict[str, int]]
 PINS_KEY = "vp:pins"  # field: pin key (hex) -> "replica,replica,...|unix time of the last write"
 LOG_KEY = "vp:log"  # stream of changes: p = proxy id, i = index entries, t = placements changed
@@ -220,6 +221,10 @@ class SharedState:
         # the others' windows as last read: field -> (its raw value, parsed); one that did not
         # change (no decision there since) is not parsed again
         self._guard_read: dict[str, tuple[str, tuple]] = {}
+        # the stretch bound's view of the others: per field, its totals as last read; per (route,
+        # replicas), the decisions and picks they made since first seen, summed (they only grow)
+        self._guard_totals: dict[str, tuple[int, list[int]]] = {}
+        self._guard_accrued: dict[tuple[str, tuple[str, ...]], tuple[int, dict[str, int]]] = {}
         # mirror of the placement table: pin -> (members, stamp); `pins_changed` bumps on bulk changes
         self.pins: dict[int, tuple[tuple[str, ...], float]] = {}
         self.pins_changed = 0
@@ -621,6 +626,8 @@ class SharedState:
         stale = []
         fresh = max(_GUARD_FRESH_S, self.rate_tau)
         read, self._guard_read = self._guard_read, {}
+        totals, self._guard_totals = self._guard_totals, {}
+        accrued, self._guard_accrued = self._guard_accrued, {}
         for field, value in table.items():
             proxy, _, route = field.partition("|")
             if proxy == self.proxy_id:
@@ -631,8 +638,9 @@ class SharedState:
                     entry = orjson.loads(value)
                     names = tuple(str(name) for name in entry["names"])
                     counts = [int(n) for n in entry["counts"]]
-                    picks = [int(n) for n in entry.get("picks", counts)]
-                    if len(counts) != len(names) or len(picks) != len(names):
+                    # (a proxy of an older release publishes no totals: it adds nothing to the stretch walks)
+                    picks = [int(n) for n in entry["picks"]] if "picks" in entry else None
+                    if len(counts) != len(names) or picks is not None and len(picks) != len(names):
                         raise ValueError(field)
                     parsed = (float(entry["at"]), names, int(entry["filled"]), counts,
                               [(int(pin, 16), str(name), float(at)) for pin, name, at in entry.get("overflow", ())],
@@ -650,11 +658,23 @@ class SharedState:
             self._guard_read[field] = (value, parsed)
             if age <= fresh:
                 key = (route, names)
-                total, by, made, picked = out.get(key, (0, {}, 0, {}))
-                for name, n, p in zip(names, counts, picks):
+                total, by = out.get(key, (0, {}))[:2]
+                for name, n in zip(names, counts):
                     by[name] = by.get(name, 0) + n
-                    picked[name] = picked.get(name, 0) + p
-                out[key] = (total + filled, by, made + decided, picked)
+                # what this proxy decided since the last sync; a proxy seen for the first time, or
+                # whose totals fell (it began a new window), is a starting point, not decisions
+                made, picked = self._guard_accrued.get(key) or accrued.get(key) or (0, {})
+                before = totals.get(field)
+                if picks is not None:
+                    self._guard_totals[field] = (decided, picks)
+                    if (before is not None and decided >= before[0]
+                            and all(n >= m for n, m in zip(picks, before[1]))):
+                        made += decided - before[0]
+                        picked = dict(picked)
+                        for name, n, m in zip(names, picks, before[1]):
+                            picked[name] = picked.get(name, 0) + n - m
+                self._guard_accrued[key] = (made, picked)
+                out[key] = (total + filled, by, made, picked)
                 if overflow and self.adopt_overflows is not None:
                     self.adopt_overflows(route, names, overflow)
         if stale:

@@ -789,9 +789,9 @@ def test_a_replica_that_ran_light_cannot_take_it_all_back_over_a_shorter_stretch
 
 
 def test_the_stretch_bound_counts_the_other_proxies_decisions_as_their_sync_brings_them() -> None:
-    """With several proxies the stretch bound walks over the fleet's decisions: the others'
-    totals since their last sync fold in when they arrive; a fall in them (a proxy left, or began
-    a new window) folds nothing."""
+    """With several proxies the stretch bound walks over the fleet's decisions: what the others
+    made since their last sync folds in when it arrives; the first sight of them, or a fall (the
+    shared view lost some for a while), folds nothing."""
     from proxy.routing.affinity.balance import Balance
 
     class Others:  # the shared view's part the guard reads
@@ -808,9 +808,11 @@ def test_the_stretch_bound_counts_the_other_proxies_decisions_as_their_sync_brin
 
     for k in range(400):
         guard.check(MODEL, bs, bs[k % 4], k, (), False, 3.0)
-    report(400, [100, 100, 100, 100])
+    report(20000, [8000, 4000, 4000, 4000])  # first sight: their history is not decisions of now
     assert guard.check(MODEL, bs, bs[0], 1, (), False, 3.0) == (bs[0], False)
-    report(200, [200, 0, 0, 0])  # one of them left: nothing to fold
+    report(20400, [8100, 4100, 4100, 4100])
+    assert guard.check(MODEL, bs, bs[0], 1, (), False, 3.0) == (bs[0], False)
+    report(200, [200, 0, 0, 0])  # the shared view lost them for a while: nothing to fold
     assert guard.check(MODEL, bs, bs[0], 2, (), False, 3.0) == (bs[0], False)
     report(400, [400, 0, 0, 0])  # 200 more decisions, all for gpu-0
     chosen, capped = guard.check(MODEL, bs, bs[0], 3, (), False, 3.0)

@@ -253,6 +253,30 @@ def test_the_balance_guard_counts_every_proxys_decisions_and_shares_overflows(re
     asyncio.run(scenario())
 
 
+def test_the_stretch_bound_sees_what_other_proxies_decided_since_it_first_saw_them(redis_url: str) -> None:
+    """The other proxies' totals are cumulative since each began its window: a proxy seen for the
+    first time (this one restarted, or it came back), or one whose totals fell (a new window), is
+    a starting point, never thousands of decisions at once; an older proxy that publishes no
+    totals adds nothing. What the others made since is summed per (route, replicas)."""
+    state = SharedState(redis_url, local_load=dict)
+    names = ["gpu-0", "gpu-1"]
+
+    def entry(decided: int | None, picks: list[int] | None) -> bytes:
+        body: dict = {"at": 1000.0, "names": names, "filled": 10, "counts": [5, 5], "overflow": []}
+        if picks is not None:
+            body.update(decided=decided, picks=picks)
+        return orjson.dumps(body)
+
+    def made(table: dict) -> tuple[int, dict]:
+        return state._other_windows(table, 1000.0)[("m", tuple(names))][2:]
+
+    assert made({"a|m": entry(20000, [16000, 4000]), "old|m": entry(None, None)}) == (0, {})
+    assert made({"a|m": entry(20010, [16006, 4004]), "old|m": entry(None, None)}) == (10, {"gpu-0": 6, "gpu-1": 4})
+    # a starts a new window, b appears with a long history: neither is decisions
+    assert made({"a|m": entry(2, [1, 1]), "b|m": entry(9000, [0, 9000])}) == (10, {"gpu-0": 6, "gpu-1": 4})
+    assert made({"a|m": entry(4, [3, 1]), "b|m": entry(9003, [0, 9003])}) == (15, {"gpu-0": 8, "gpu-1": 7})
+
+
 def test_tenant_counts_go_out_after_a_few_dozen_requests_at_any_rate(redis_url: str, monkeypatch) -> None:
     """A busy proxy publishes its tenants' counts (for the others' packing repair) every
     _TENANTS_EVERY_REQUESTS requests it routes, not only every _TENANTS_EVERY_S: at ten times

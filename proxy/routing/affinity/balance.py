@@ -296,13 +296,14 @@ def _above(window: Window, name: str) -> float:
 def _fold(window: Window, others: tuple) -> None:
     """Fold the other proxies' decisions since their last sync into the stretch walks: each
     replica's new picks first, then the clock (their order within the interval is unknown; this
-    one lets the fewest of them count twice). A fall in their totals (a proxy left, or began a
-    new window) restarts the count from what they report now, folding nothing."""
+    one lets the fewest of them count twice). The first sight of them, or a fall in what they
+    made since first seen (the shared view lost them for a while), is a starting point only."""
+    first = window.folded is None
     window.folded = others
     decided, picks = others[2], others[3]
     before, seen = window.seen
     window.seen = (decided, picks)
-    if decided < before or any(n < seen.get(name, 0) for name, n in picks.items()):
+    if first or decided < before or any(n < seen.get(name, 0) for name, n in picks.items()):
         return
     level, base = window.level, window.ticks * window.rate
     for name, n in picks.items():

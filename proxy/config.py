@@ -299,7 +299,7 @@ class AffinityConfig(Strict):
     balance_epsilon: float = Field(0.03, ge=0, le=10, description="headroom of the balance guard over the mean")
     balance_burst: float = Field(
         20.0, ge=0, description="balance guard, over any stretch of consecutive requests however short or long: no "
-        "replica takes more than (1 + balance_epsilon) x its share of the stretch + this many of them (a replica "
+        "replica takes more than 1.1 x its share of the stretch + this many of them (a replica "
         "that ran light cannot take back what it did not take: with phases of half the window, one took 1.5x the "
         "mean); 0 turns this bound off"
     )

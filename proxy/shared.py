@@ -63,6 +63,9 @@ _GUARD_FRESH_S = 1.0
 # replica -> its count there, and for the stretch bound the decisions and replica -> picks they
 # made since this proxy first saw them (only ever growing while the same proxies stay)
 RemoteWindow = tuple[int, dict[str, int], int, dict[str, int]]
+# this proxy's window of one route as it publishes it: replicas sorted, decisions in the window,
+# their counts, recent overflows (pin, replica, wall time), and decisions and picks since it began
+LocalWindow = tuple[tuple[str, ...], int, list[int], list[tuple[int, str, float]], int, list[int]]
 PINS_KEY = "vp:pins"  # field: pin key (hex) -> "replica,replica,...|unix time of the last write"
 LOG_KEY = "vp:log"  # stream of changes: p = proxy id, i = index entries, t = placements changed
 _LOG_MAXLEN = 10000  # entries kept (at most one per proxy and flush, up to 50 a second): the recent past, bounded
@@ -211,9 +214,9 @@ class SharedState:
         self._tenants_at = 0.0
         self.routed = 0  # requests routed here (the policy counts them), for the tenants' cadence
         self._tenants_routed = 0
-        # the balance guard's windows (route -> (replicas, decisions, counts in replica order)); set
-        # by the policy. The others' windows, summed per (route, replicas): (decisions, name -> count)
-        self.local_guard: Callable[[], dict[str, tuple[tuple[str, ...], int, list[int], list, int, list[int]]]] | None = None
+        # the balance guard's windows (route -> `LocalWindow`), set by the policy; the others',
+        # summed per (route, replicas) (`RemoteWindow`)
+        self.local_guard: Callable[[], dict[str, LocalWindow]] | None = None
         # (route, replicas, [(pin, replica, wall)]): the other proxies' recent overflows
         self.adopt_overflows: Callable[[str, tuple[str, ...], list[tuple[int, str, float]]], None] | None = None
         self.remote_guard: dict[tuple[str, tuple[str, ...]], RemoteWindow] = {}

@@ -54,7 +54,7 @@ from proxy.routing.backends import Backend
 from proxy.routing import speed
 
 if TYPE_CHECKING:
-    from proxy.shared import SharedState
+    from proxy.shared import LocalWindow, RemoteWindow, SharedState
 
 _SLACK = 10.0  # requests above (1 + eps) x mean: a cap at small counts is not a round robin
 FRESH_S = 1.0  # overflows published this long (the other proxies read them within a sync or two)
@@ -93,7 +93,7 @@ class Window:
         self.recent: deque[str] = deque()
         # the stretch bound: allowance a decision (1 + eps) / n, each replica's walk level on the
         # `ticks` clock (decisions here and folded in from the others), this proxy's own picks so
-        # far (published), and the others' as last folded in: (the remote entry, decisions, picks)
+        # far (published), the others' entry last folded in and its (decisions, picks)
         self.rate = (1.0 + epsilon) / len(names) if names else 0.0
         self.level: dict[str, float] = dict.fromkeys(names, 0.0)
         self.ticks = 0.0
@@ -205,8 +205,7 @@ class Balance:
             counts[recent.popleft()] -= 1
         return chosen, capped
 
-    def snapshot(self) -> dict[str, tuple[tuple[str, ...], int, list[int], list[tuple[int, str, float]], int,
-                                          list[int]]]:
+    def snapshot(self) -> dict[str, "LocalWindow"]:
         """Every route's window that decided since the last snapshot, as the other proxies read
         it: (replicas sorted, decisions, their counts, the overflows of the last FRESH_S:
         (pin, replica, wall time), and for the stretch bound the decisions and each replica's
@@ -299,7 +298,7 @@ def _above(window: Window, name: str) -> float:
     return level if level > 0.0 else 0.0
 
 
-def _fold(window: Window, others: tuple) -> None:
+def _fold(window: Window, others: "RemoteWindow") -> None:
     """Fold the other proxies' decisions since their last sync into the stretch walks: each
     replica's new picks first, then the clock (their order within the interval is unknown; this
     one lets the fewest of them count twice). The first sight of them, or a fall in what they

@@ -279,7 +279,7 @@ class AffinityConfig(Strict):
     )
     window_requests: float = Field(
         3000.0, gt=0, description="the policy's memory, in requests over all proxies (not seconds, so the same "
-        "request sequence behaves the same at any rate): time constant of the tenants' traffic shares (a tenth of it "
+        "request sequence behaves the same at any rate): time constant of the tenants' traffic shares (a thirtieth of it "
         "for the short estimate that shows a tenant turning hot or cold)"
     )
     load_window_requests: float = Field(

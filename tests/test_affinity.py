@@ -613,6 +613,21 @@ def test_a_tenant_turning_hot_grows_within_hundreds_of_requests_and_shrinks_back
     assert len(policy.pins[pin_of(hot)][0]) == 1
 
 
+def test_a_long_light_tenant_that_turns_hot_grows_within_a_hundred_requests() -> None:
+    """The short window is short in requests: a tenant light for thousands of requests that turns
+    hot grows while the long window still says it is light (at a tenth of the window, 300 requests,
+    it grew after ~156 and overflowed one request at a time until then; now after 53-79)."""
+    bs = backends(4)
+    clock = ManualClock()
+    policy = PrefixAffinity(AffinityConfig(), timer=clock)
+    light = [f"light tenant {i} " * 40 for i in range(10)]
+    hot = "the tenant that turns hot " * 40
+    drive(policy, bs, light + [hot], [1.0] * 10 + [0.3], 3000, clock=clock)  # ~3 % of the traffic
+    assert len(policy.pins[pin_of(hot)][0]) == 1
+    drive(policy, bs, light + [hot], [1.0] * 10 + [10.0], 100, seed=1, clock=clock)  # now 50 %
+    assert len(policy.pins[pin_of(hot)][0]) >= 2
+
+
 def test_a_replica_that_leaves_rehomes_only_its_tenants_and_gets_none_back() -> None:
     bs = backends(4)
     clock = ManualClock()

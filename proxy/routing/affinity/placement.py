@@ -258,9 +258,7 @@ class Placement:
         below = (len(members) - 1) * self.grow_fill * 0.75
         if tenants.share_floor(pin, now) * n >= below:  # (the estimates can only be higher: skip them)
             return
-        share, fast = tenants.estimate(pin, now)[0], tenants.estimate(pin, now, True)[0]  # cooling shows in either
-        if fast < share:  # (min without the call)
-            share = fast
+        share = tenants.high(pin, now)
         if share * n < below:
             log.info("tenant %016x (share %.3f) shrinks to %s", pin, share, ",".join(members[:-1]))
             self.table.set(pin, members[:-1], now)

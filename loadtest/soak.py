@@ -2,9 +2,10 @@
 
 Leaks in a long-lived proxy hide in the odd paths: clients that hang up mid-stream or before the
 first byte, refused bodies, unknown models, prefix-index growth from many tenants. This starts N
-simulated replicas and one proxy (prefix_affinity, with a private Redis of its own), drives all of those
-paths at once from C client coroutines, samples the proxy's RSS/fds/threads every --sample-s, and
-ends with PASS only if RSS grew < 10 % after warm-up and there were no 5xx and no transport errors.
+simulated replicas and one proxy (prefix_affinity, with a private Redis of its own), drives all of
+those paths at once from C client coroutines, samples the proxy's RSS/fds/threads every --sample-s,
+and ends with PASS only if RSS grew < 10 % after warm-up and there were no 5xx and no transport
+errors.
 It stops by itself (--minutes, --max-requests); children are stopped on exit and on Ctrl-C.
 
     .venv/bin/python -m loadtest.soak --minutes 30 --concurrency 16 --replicas 3 --json soak.json

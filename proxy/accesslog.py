@@ -40,8 +40,12 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _USAGE_WINDOW = 1024  # bytes after `"usage":{` that may hold the counts
-# vLLM's compact layout (and OpenAI's): both counts in one match; anything else takes the searches
-_USAGE_COMPACT = re.compile(rb'"usage":\{"prompt_tokens":(\d+),(?:"total_tokens":\d+,)?"completion_tokens":(\d+)')
+# vLLM's compact layout (and OpenAI's), read by hand (`_compact`) on every answer: 2.4 k
+# instructions a request less than one regular expression match (loadtest.instructions, compiled);
+# anything else takes the searches
+_COMPACT_PROMPT = b'"usage":{"prompt_tokens":'
+_COMPACT_TOTAL = b'"total_tokens":'
+_COMPACT_COMPLETION = b'"completion_tokens":'
 
 
 def usage_tokens(buf: bytes | None) -> tuple[int | None, int | None]:
@@ -51,15 +55,51 @@ def usage_tokens(buf: bytes | None) -> tuple[int | None, int | None]:
     at = buf.rfind(b'"usage"')
     if at < 0:
         return None, None
-    compact = _USAGE_COMPACT.match(buf, at, at + _USAGE_WINDOW)
-    if compact is not None:
-        return int(compact.group(1)), int(compact.group(2))
+    if buf.startswith(_COMPACT_PROMPT, at):
+        compact = _compact(buf, at)
+        if compact is not None:
+            return compact
     if _USAGE.match(buf, at) is None:
         return None, None
     end = at + _USAGE_WINDOW
     prompt = _PROMPT.search(buf, at, end)
     completion = _COMPLETION.search(buf, at, end)
     return (int(prompt.group(1)) if prompt else None), (int(completion.group(1)) if completion else None)
+
+
+def _compact(buf: bytes, at: int) -> tuple[int, int] | None:
+    """`"usage":{"prompt_tokens":P,["total_tokens":T,]"completion_tokens":C` at `at`, within
+    _USAGE_WINDOW bytes: (P, C), or None for any other layout."""
+    limit = at + _USAGE_WINDOW
+    limit = len(buf) if len(buf) < limit else limit
+    i = at + len(_COMPACT_PROMPT)
+    prompt, end = _number(buf, i, limit)
+    if end == i or end >= limit or buf[end] != 44:  # (44: ",")
+        return None
+    i = end + 1
+    if buf.startswith(_COMPACT_TOTAL, i):
+        i += len(_COMPACT_TOTAL)
+        _, end = _number(buf, i, limit)
+        if end == i or end >= limit or buf[end] != 44:
+            return None
+        i = end + 1
+    if not buf.startswith(_COMPACT_COMPLETION, i):
+        return None
+    i += len(_COMPACT_COMPLETION)
+    completion, end = _number(buf, i, limit)
+    return None if end == i else (prompt, completion)
+
+
+def _number(buf: bytes, i: int, limit: int) -> tuple[int, int]:
+    """(the decimal number at `i`, where its digits end), reading no further than `limit`."""
+    value = 0
+    while i < limit:
+        digit = buf[i] - 48
+        if digit < 0 or digit > 9:
+            break
+        value = value * 10 + digit
+        i += 1
+    return value, i
 
 
 _FIXED_MAX = 4096

@@ -6,6 +6,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +21,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy import accesslog
 from proxy.accesslog import LOGGER, usage_tokens
 from proxy.scrape import Reading, _Previous, hit_ratio, parse_vllm_metrics
 from proxy.sim.tokenizer import render_chat
@@ -468,6 +471,32 @@ def test_usage_tokens() -> None:
     vllm = b'{"usage":{"prompt_tokens":20,"total_tokens":36,"completion_tokens":16,"prompt_tokens_details":null}}'
     assert usage_tokens(vllm) == (20, 16)
     assert usage_tokens(b'{"usage":{"prompt_tokens":' + b"1" * 1030 + b',"completion_tokens":2}}') == (int(b"1" * 999), None)
+
+
+def test_usage_tokens_reads_the_compact_layout_as_a_regular_expression_would() -> None:
+    """The compact layout is read by hand (proxy/accesslog.py `_compact`): it agrees with the
+    expression it replaced on that layout and its broken variants, up to the window's edge."""
+    compact = re.compile(rb'"usage":\{"prompt_tokens":(\d+),(?:"total_tokens":\d+,)?"completion_tokens":(\d+)')
+
+    def reference(buf: bytes) -> tuple[int | None, int | None]:  # (the code before the hand reader)
+        at = buf.rfind(b'"usage"')
+        found = compact.match(buf, at, at + accesslog._USAGE_WINDOW)
+        if found is not None:
+            return int(found.group(1)), int(found.group(2))
+        if accesslog._USAGE.match(buf, at) is None:
+            return None, None
+        prompt = accesslog._PROMPT.search(buf, at, at + accesslog._USAGE_WINDOW)
+        completion = accesslog._COMPLETION.search(buf, at, at + accesslog._USAGE_WINDOW)
+        return (int(prompt.group(1)) if prompt else None), (int(completion.group(1)) if completion else None)
+
+    rng = random.Random(7)
+    pieces = [b"", b"7", b"120", b"1" * 900, b"x", b","]
+    for _ in range(3000):
+        prompt, total, completion = (rng.choice(pieces) for _ in range(3))
+        body = b'{"usage":{"prompt_tokens":' + prompt + b"," + (
+            b'"total_tokens":' + total + b"," if rng.random() < 0.5 else b"") + b'"completion_tokens":' + completion + b"}}"
+        body = body[:rng.randrange(20, len(body) + 1)] if rng.random() < 0.2 else body
+        assert usage_tokens(body) == reference(body), body[:80]
 
 
 # --- metrics off --------------------------------------------------------------------------------

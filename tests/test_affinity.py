@@ -928,3 +928,28 @@ def test_a_tenant_the_guard_caps_twice_grows_by_its_overflow_replica_if_its_traf
         other = next(n for n in names if n not in policy.pins[pin][0])
         policy.placement.overflowed(pin, home, other, len(bs), policy.clock)
         assert (policy.pins[pin][0] == home + (other,)) is grows
+
+
+def test_a_new_tenant_is_placed_where_the_guard_would_not_cap_its_first_request() -> None:
+    """After a population change the guard's window still holds the last population's traffic:
+    a new tenant placed by load and cache alone onto a replica at its cap had its first requests
+    overflowed, its prompt computed twice. It goes to a replica under the cap instead, and its
+    first request is not capped."""
+    from proxy.routing.affinity.ranking import ranked
+
+    bs = backends(4)
+    clock = ManualClock()
+    policy = PrefixAffinity(AffinityConfig(), timer=clock)
+    drive(policy, bs, [f"old tenant {i} " * 40 for i in range(8)], [1.0] * 8, 400, clock=clock)
+    newcomer = "a tenant of the next population " * 40
+    pin = pin_of(newcomer)
+    rates, flights, _, cap, qcap = policy.view.bounds(bs, policy.clock)
+    home = ranked(policy.view, policy.table, bs, rates, flights, cap, qcap, pin, ())[0][2]  # by load and cache alone
+    for k in range(1000):  # the window's last stretch all for `home`: it reaches its cap
+        if home.name in policy.balance.full(MODEL, 1.0):
+            break
+        policy.balance.check(MODEL, bs, home, 10_000 + k, (), False, 1.0)
+    assert home.name in policy.balance.full(MODEL, 1.0)
+    name, reason = pick(policy, bs, chat_request(newcomer, "first question"))
+    assert reason != "balance" and name != home.name
+    assert policy.pins[pin][0] == (name,)

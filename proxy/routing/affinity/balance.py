@@ -142,8 +142,7 @@ class Balance:
             window.fleet = tuple(candidates)
         counts = window.counts
         proxies = 1.0 if 1.0 > proxies else proxies  # (max and min as conditionals: this runs on every request)
-        size = int(self.per_replica * n / proxies)
-        size = n if n > size else size  # this proxy's part of the window
+        size = _part(self.per_replica, n, proxies)
         filled = len(window.recent)
         window.size = size
         shared = self.shared
@@ -154,13 +153,10 @@ class Balance:
             shares = self._shares(window, candidates)
             if shares:
                 epsilon = self.speed_epsilon
-        if others is None:
-            # each proxy holds its own part to the cap: their slacks add up to one
-            slack = _SLACK / proxies
-            fair = (1.0 + epsilon + window.filling * (1.0 - filled / size)) * filled / n
-        else:  # the whole fleet's window: this proxy's decisions now, the others' as last published
-            slack = _SLACK  # (a fresh start's looseness only for this proxy's own part)
-            fair = ((1.0 + epsilon) * (filled + others[0]) + window.filling * (1.0 - filled / size) * filled) / n
+        fair = _fair(window, epsilon, filled, size, n, others)
+        # (with the others' windows, the whole fleet's slack; without, each proxy's part of it)
+        slack = _SLACK if others is not None else _SLACK / proxies
+        if others is not None:
             remote = others[1]
         limit = fair * shares[chosen.name] + slack if shares else fair + slack
         count = counts[chosen.name]
@@ -171,7 +167,7 @@ class Balance:
         capped = count + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0)
         burst = 0.0
         if self.burst and not shares:  # (the window's looseness while it fills applies here too)
-            burst = self.burst + window.filling * (1.0 - filled / size) * filled / n
+            burst = self.burst + _loose(window, filled, size, n)
             if _above(window, chosen.name) + 1.0 > burst:
                 capped = True
         if capped or (cached is not None and cached != chosen.name and count + 1 > limit - _NEAR
@@ -204,6 +200,37 @@ class Balance:
         while len(recent) > size:  # (size follows the estimate of the number of proxies)
             counts[recent.popleft()] -= 1
         return chosen, capped
+
+    def full(self, route: str, proxies: float) -> tuple[str, ...]:
+        """The route's replicas that would cap a new conversation now (by the window or the stretch
+        bound), unless all would: a new tenant is placed elsewhere. Placed by its load and cache
+        terms alone onto a replica at its cap, its first requests overflowed, each computing its
+        prompt on a second replica: after a population change, when the window still holds the
+        last population's traffic, half of the guard's cold prompts (three populations of 80
+        tenants, Zipf 0.8, caches overcommitted 1.25x: docs/BENCHMARKS.md)."""
+        window = self._routes.get(route)
+        if window is None or not window.recent:
+            return ()
+        names = window.names
+        n = len(names)
+        proxies = 1.0 if 1.0 > proxies else proxies
+        size = _part(self.per_replica, n, proxies)
+        filled = len(window.recent)
+        shared = self.shared
+        others = shared.remote_guard.get(window.key) if shared is not None and shared.remote_guard else None
+        shares = window.shares if Backend.speed_version and self.speed_balance else None
+        fair = _fair(window, self.speed_epsilon if shares else self.epsilon, filled, size, n, others)
+        slack = _SLACK if others is not None else _SLACK / proxies
+        burst = self.burst + _loose(window, filled, size, n) if self.burst and not shares else 0.0
+        if others is not None and others is not window.folded:
+            _fold(window, others)
+        out = []
+        for name in names:
+            count = window.counts[name] + (others[1].get(name, 0) if others is not None else 0)
+            limit = fair * shares[name] + slack if shares else fair + slack
+            if count + 1 > limit or (burst and _above(window, name) + 1.0 > burst):
+                out.append(name)
+        return tuple(out) if len(out) < n else ()
 
     def snapshot(self) -> dict[str, "LocalWindow"]:
         """Every route's window that decided since the last snapshot, as the other proxies read
@@ -289,6 +316,25 @@ class Balance:
             if len(fresh) > 2 * _FRESH_MAX:  # bounded also while nothing publishes (Redis down)
                 _trim(fresh, _FRESH_MAX)
         return chosen
+
+
+def _part(per_replica: float, n: int, proxies: float) -> int:
+    """This proxy's part of the window: `per_replica` requests a replica over all proxies."""
+    size = int(per_replica * n / proxies)
+    return n if n > size else size
+
+
+def _loose(window: Window, filled: int, size: int, n: int) -> float:
+    """A replica's extra allowance while a fresh start's window fills."""
+    return window.filling * (1.0 - filled / size) * filled / n
+
+
+def _fair(window: Window, epsilon: float, filled: int, size: int, n: int, others: "RemoteWindow | None") -> float:
+    """A replica's cap before the slack: its part of this proxy's window (looser while it fills),
+    or, with the others' windows, of the whole fleet's (the looseness only for this proxy's part)."""
+    if others is None:
+        return (1.0 + epsilon) * filled / n + _loose(window, filled, size, n)
+    return ((1.0 + epsilon) * (filled + others[0])) / n + _loose(window, filled, size, n)
 
 
 def _above(window: Window, name: str) -> float:

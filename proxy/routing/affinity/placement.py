@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 
 from proxy.config import AffinityConfig
 from proxy.routing.backends import Backend
+from proxy.routing.affinity.balance import Balance
 from proxy.routing.affinity.load import LoadView
 from proxy.routing.affinity.ranking import ranked, rendezvous_order
 from proxy.routing.affinity.store import TenantStore
@@ -21,8 +22,10 @@ _OVERFLOW_GROW = 0.75  # a tenant over the balance cap grows when its share x re
 
 class Placement:
     def __init__(self, config: AffinityConfig, load: LoadView, tenants: TenantStats, table: TenantTable,
-                 store: TenantStore, spilled: Callable[[float], None]) -> None:
+                 store: TenantStore, spilled: Callable[[float], None], balance: Balance | None = None) -> None:
         self.config = config
+        self.balance = balance  # the guard: a new tenant is placed where it would not cap its first request
+        self.route = ""  # the route of the request being routed (set by the policy)
         # read on every request: typed
         self.continuation_slack: float = config.continuation_slack
         self.cool_down_requests: float = config.cool_down_requests
@@ -66,7 +69,8 @@ class Placement:
                     return candidates[i], "prefix-hit"
 
         if entry is None:
-            return ranked(self.load, self.table, candidates, rates, flights, cap, qcap, pin, ())[0][2], "place"
+            full = self.balance.full(self.route, self.load.proxies) if self.balance is not None else ()
+            return ranked(self.load, self.table, candidates, rates, flights, cap, qcap, pin, (), avoid=full)[0][2], "place"
         members, stamp = entry
         here = []  # its replicas among the candidates (a loop: a comprehension costs a call here)
         for name in members:

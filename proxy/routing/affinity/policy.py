@@ -70,7 +70,8 @@ class PrefixAffinity:
             if shared is not None:
                 shared.on_warming = self.coalescer.remote
                 shared.warm_ttl = config.coalesce_wait_s
-        self.placement = Placement(config, self.view, self.tenants, self.table, self.store, self.repair.soon)
+        self.placement = Placement(config, self.view, self.tenants, self.table, self.store, self.repair.soon,
+                                   self.balance)
         # route -> replica names of its last request; and (its replicas, name -> position) to
         # skip comparing names while the candidates are the same objects
         self._fleets: dict[str, tuple[str, ...]] = {}
@@ -136,6 +137,7 @@ class PrefixAffinity:
         self.repair.check(candidates, now)
         tenants = self.tenants
         returning = self.placement.returning = pin in self.pins and tenants.idle(pin, now, wall)
+        self.placement.route = route.name
         chosen, reason = self.placement.decide(candidates, where, pin, pin_blocks, match, now, wall)
         if self.balance is not None:
             entry = self.pins.get(pin)

@@ -27,11 +27,11 @@ def rendezvous_order(key: int, candidates: Sequence[Backend]) -> list[Backend]:
 
 def ranked(
     load: LoadView, table: TenantTable, candidates: Sequence[Backend], rates: list[float], flights: list[int],
-    cap: float, qcap: int, pin: int, exclude: Sequence[str], grow: bool = False,
+    cap: float, qcap: int, pin: int, exclude: Sequence[str], grow: bool = False, avoid: Sequence[str] = (),
 ) -> list[tuple[tuple, float, Backend]]:
     """Every candidate as (sort key, tenants it holds, replica), best first: outside `exclude`,
-    under the bound, (placed anew) not slower, with cache room, then least (load share + tenant
-    share)."""
+    outside `avoid` (the balance guard would cap it), under the bound, (placed anew) not slower,
+    with cache room, then least (load share + tenant share)."""
     n = len(candidates)
     counts: Mapping[str, float] = table.counts(load.clock)  # (float: a ramped-up replica's is the mean)
     # scored by where traffic goes now (a population that changed left the smoothed load behind)
@@ -54,7 +54,7 @@ def ranked(
         # a tenant placed anew goes to a faster replica while one fits: its first request computes
         # its prompt wherever it goes, at a fraction of the time there (the packing repair moves
         # settled tenants onto a slower replica, up to its share by speed)
-        k = (backend.name in exclude, not fits, not grow and backend.load_factor > 1.0,
+        k = (backend.name in exclude, backend.name in avoid, not fits, not grow and backend.load_factor > 1.0,
              count + 1 > table.capacity(backend, slots), round(score, 6), -rendezvous_weight(pin, backend.salt))
         out.append((k, count, backend))
     out.sort(key=lambda r: r[0])

@@ -22,7 +22,10 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    replica less, `cool_down_requests` after the set last grew or lost a member; a member the
    packing repair replaced restarts nothing) the last member is dropped.
 4. A tenant never seen is **placed** on the replica with the least recent traffic and cache
-   pressure (active tenants placed there), ties broken by rendezvous hashing. With Redis the placement is
+   pressure (active tenants placed there), ties broken by rendezvous hashing, among the replicas
+   where the balance guard would not cap its first request (a population that just changed meets a
+   guard window full of the last one's traffic: placed onto a capped replica, its first requests
+   computed the prompt on a second one). With Redis the placement is
    written with set-if-absent (the first proxy wins, the others adopt its choice) into a hash
    every proxy mirrors, so all proxies agree on every tenant's set. The table does not correct a
    placement by its counts (skipping a first choice other proxies had filled meanwhile moved a

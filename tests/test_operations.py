@@ -205,9 +205,16 @@ def test_workers_exit_when_the_supervisor_is_killed(servers: Servers, tmp_path: 
     proxy.proc.kill()  # SIGKILL: no chance to pass anything on
     proxy.proc.wait()
 
+    def running(pid: int) -> bool:
+        """Not exited (a zombie has exited); its /proc entry may vanish between any two reads."""
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        return stat.rsplit(b")", 1)[-1].split()[:1] != [b"Z"]  # (the state follows the command's name)
+
     def gone() -> bool:
-        return not any(Path(f"/proc/{pid}").exists() and b"(Z)" not in Path(f"/proc/{pid}/stat").read_bytes()
-                       for pid in workers)
+        return not any(running(pid) for pid in workers)
 
     try:
         assert eventually(gone, timeout=15), "workers outlived their supervisor"

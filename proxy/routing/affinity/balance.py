@@ -145,17 +145,14 @@ class Balance:
         size = _part(self.per_replica, n, proxies)
         filled = len(window.recent)
         window.size = size
-        shared = self.shared
-        others = shared.remote_guard.get(window.key) if shared is not None and shared.remote_guard else None
+        others = self._others(window)
         shares = None
         epsilon = self.epsilon
         if Backend.speed_version and self.speed_balance:
             shares = self._shares(window, candidates)
             if shares:
                 epsilon = self.speed_epsilon
-        fair = _fair(window, epsilon, filled, size, n, others)
-        # (with the others' windows, the whole fleet's slack; without, each proxy's part of it)
-        slack = _SLACK if others is not None else _SLACK / proxies
+        fair, slack = _cap(window, epsilon, filled, size, n, others, proxies)
         if others is not None:
             remote = others[1]
         limit = fair * shares[chosen.name] + slack if shares else fair + slack
@@ -216,11 +213,9 @@ class Balance:
         proxies = 1.0 if 1.0 > proxies else proxies
         size = _part(self.per_replica, n, proxies)
         filled = len(window.recent)
-        shared = self.shared
-        others = shared.remote_guard.get(window.key) if shared is not None and shared.remote_guard else None
+        others = self._others(window)
         shares = window.shares if Backend.speed_version and self.speed_balance else None
-        fair = _fair(window, self.speed_epsilon if shares else self.epsilon, filled, size, n, others)
-        slack = _SLACK if others is not None else _SLACK / proxies
+        fair, slack = _cap(window, self.speed_epsilon if shares else self.epsilon, filled, size, n, others, proxies)
         burst = self.burst + _loose(window, filled, size, n) if self.burst and not shares else 0.0
         if others is not None and others is not window.folded:
             _fold(window, others)
@@ -231,6 +226,11 @@ class Balance:
             if count + 1 > limit or (burst and _above(window, name) + 1.0 > burst):
                 out.append(name)
         return tuple(out) if len(out) < n else ()
+
+    def _others(self, window: Window) -> "RemoteWindow | None":
+        """The other proxies' window of the same route and replicas, as their sync last published it."""
+        shared = self.shared
+        return shared.remote_guard.get(window.key) if shared is not None and shared.remote_guard else None
 
     def snapshot(self) -> dict[str, "LocalWindow"]:
         """Every route's window that decided since the last snapshot, as the other proxies read
@@ -329,12 +329,14 @@ def _loose(window: Window, filled: int, size: int, n: int) -> float:
     return window.filling * (1.0 - filled / size) * filled / n
 
 
-def _fair(window: Window, epsilon: float, filled: int, size: int, n: int, others: "RemoteWindow | None") -> float:
-    """A replica's cap before the slack: its part of this proxy's window (looser while it fills),
-    or, with the others' windows, of the whole fleet's (the looseness only for this proxy's part)."""
+def _cap(window: Window, epsilon: float, filled: int, size: int, n: int, others: "RemoteWindow | None",
+         proxies: float) -> tuple[float, float]:
+    """(a replica's fair part, the slack over it): of this proxy's window (looser while it fills)
+    with its part of the slack, or, with the others' windows, of the whole fleet's with all of it
+    (the looseness only for this proxy's own part)."""
     if others is None:
-        return (1.0 + epsilon) * filled / n + _loose(window, filled, size, n)
-    return ((1.0 + epsilon) * (filled + others[0])) / n + _loose(window, filled, size, n)
+        return (1.0 + epsilon) * filled / n + _loose(window, filled, size, n), _SLACK / proxies
+    return ((1.0 + epsilon) * (filled + others[0])) / n + _loose(window, filled, size, n), _SLACK
 
 
 def _above(window: Window, name: str) -> float:

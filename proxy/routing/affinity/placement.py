@@ -25,7 +25,6 @@ class Placement:
                  store: TenantStore, spilled: Callable[[float], None], balance: Balance | None = None) -> None:
         self.config = config
         self.balance = balance  # the guard: a new tenant is placed where it would not cap its first request
-        self.route = ""  # the route of the request being routed (set by the policy)
         # read on every request: typed
         self.continuation_slack: float = config.continuation_slack
         self.cool_down_requests: float = config.cool_down_requests
@@ -39,16 +38,16 @@ class Placement:
         # (old set, new set, reason) for `change`: a set change the store must accept first
         self._growing: tuple[tuple[str, ...], tuple[str, ...], str] = ((), (), "")
 
-    def decide(self, candidates: Sequence[Backend], where: dict[str, int], pin: int, pin_blocks: int,
+    def decide(self, route: str, candidates: Sequence[Backend], where: dict[str, int], pin: int, pin_blocks: int,
                match: tuple[int, str | None], now: float, wall: float) -> tuple[Backend, str]:
-        chosen, reason = self._choose(candidates, where, pin, pin_blocks, match, now, wall)
+        chosen, reason = self._choose(route, candidates, where, pin, pin_blocks, match, now, wall)
         if reason == "place":
             return self._place(candidates, pin, chosen, now)
         if reason == "grow":
             return self._change(candidates, pin, chosen, now)
         return chosen, reason
 
-    def _choose(self, candidates: Sequence[Backend], where: dict[str, int], pin: int, pin_blocks: int,
+    def _choose(self, route: str, candidates: Sequence[Backend], where: dict[str, int], pin: int, pin_blocks: int,
                 match: tuple[int, str | None], now: float, wall: float) -> tuple[Backend, str]:
         n = len(candidates)
         rates, flights, mean, cap, qcap = self.load.bounds(candidates, now)
@@ -69,7 +68,7 @@ class Placement:
                     return candidates[i], "prefix-hit"
 
         if entry is None:
-            full = self.balance.full(self.route, self.load.proxies) if self.balance is not None else ()
+            full = self.balance.full(route, self.load.proxies) if self.balance is not None else ()
             return ranked(self.load, self.table, candidates, rates, flights, cap, qcap, pin, (), avoid=full)[0][2], "place"
         members, stamp = entry
         here = []  # its replicas among the candidates (a loop: a comprehension costs a call here)

@@ -137,8 +137,7 @@ class PrefixAffinity:
         self.repair.check(candidates, now)
         tenants = self.tenants
         returning = self.placement.returning = pin in self.pins and tenants.idle(pin, now, wall)
-        self.placement.route = route.name
-        chosen, reason = self.placement.decide(candidates, where, pin, pin_blocks, match, now, wall)
+        chosen, reason = self.placement.decide(route.name, candidates, where, pin, pin_blocks, match, now, wall)
         if self.balance is not None:
             entry = self.pins.get(pin)
             owner = match[1] if match[0] >= pin_blocks else None  # where its prompt is cached, if known

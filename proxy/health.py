@@ -9,6 +9,7 @@ import httpx
 import orjson
 
 from proxy.config import DiscoveryConfig
+from proxy.control import fetch
 from proxy.routing.backends import Backend
 from proxy.tasks import Supervisor
 
@@ -69,7 +70,7 @@ class Discovery:
         """One probe; returns True if the backend's served set changed."""
         epoch = backend.adapter_epoch
         try:
-            models, adapters = read_models(await backend.fetch(self._session(), "/v1/models", self.config.timeout_s))
+            models, adapters = read_models(await fetch(backend, self._session(), "/v1/models", self.config.timeout_s))
         except Exception as exc:  # any failure of the probe means "not healthy now"
             backend.failures += 1
             if backend.healthy and backend.failures >= self.config.failures_to_down:

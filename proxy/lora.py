@@ -33,9 +33,10 @@ import httpx
 import orjson
 
 from proxy.config import ProxyConfig
+from proxy.control import read_capped
 from proxy.errors import ProxyError
 from proxy.routing.affinity import rendezvous_weight
-from proxy.routing.backends import Backend, read_capped
+from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
 from proxy.routing.clock import SYSTEM, Clock
 from proxy.tasks import Supervisor

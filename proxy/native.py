@@ -35,6 +35,7 @@ from pathlib import Path
 # dotted names, compiled together (calls between them skip the interpreter); setup.py reads this
 MODULES = (
     "proxy.prefix",
+    "proxy.routing.backends",
     "proxy.routing.index",
     "proxy.routing.affinity.counts",
     "proxy.routing.affinity.load",

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from proxy import inference
 from proxy.asgi import DISCONNECT, Receive, Scope, Send, send_error
+from proxy.control import fetch
 from proxy.errors import ProxyError, bad_request
 from proxy.forward import Progress, StreamBroken
 from proxy.spec import Spec
@@ -204,7 +205,7 @@ async def _probe(rt: Runtime, response_id: str) -> str | None:
         return None
 
     async def ask(backend: Backend) -> Backend:
-        await backend.fetch(session, f"/v1/responses/{response_id}", _PROBE_TIMEOUT_S)
+        await fetch(backend, session, f"/v1/responses/{response_id}", _PROBE_TIMEOUT_S)
         return backend
 
     async with rt.response_owners.probe_slots:

@@ -33,6 +33,7 @@ from typing import Callable
 import httpx
 
 from proxy.config import DiscoveryConfig
+from proxy.control import fetch
 from proxy.metrics import Metrics
 from proxy.routing import speed
 from proxy.routing.backends import Backend
@@ -183,7 +184,7 @@ class BackendScraper:
 
     async def scrape(self, backend: Backend) -> None:
         try:
-            reading = parse_vllm_metrics(await backend.fetch(self._session(), "/metrics", self.config.timeout_s))
+            reading = parse_vllm_metrics(await fetch(backend, self._session(), "/metrics", self.config.timeout_s))
         except Exception as exc:  # a backend without /metrics, or down: its series go away
             log.debug("cannot scrape %s/metrics: %s", backend.url, exc or type(exc).__name__)
             self._forget(backend.name)

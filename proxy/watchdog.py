@@ -21,6 +21,7 @@ from typing import Callable
 import httpx
 
 from proxy.config import HungReplicaConfig
+from proxy.control import fetch
 from proxy.forward import Track, UpstreamFailure
 from proxy.routing.backends import Backend
 from proxy.tasks import Supervisor
@@ -80,7 +81,7 @@ class Watchdog:
     async def _run_probe(self, backend: Backend) -> bool:
         config = self.config
         try:
-            await backend.fetch(self._session(), config.probe_path, config.probe_timeout_s)
+            await fetch(backend, self._session(), config.probe_path, config.probe_timeout_s)
             ok = True
         except Exception as exc:  # any failure means "no answer now"
             ok = False

@@ -13,11 +13,11 @@ async def test_one_pool_per_replica_and_idle_pools_close(module_servers, monkeyp
     transport = client._transport
     try:
         for b in backends[:2]:
-            assert b"data" in await b.fetch(client, "/v1/models", 5.0)
-            await b.fetch(client, "/v1/models", 5.0)
+            assert b"data" in await control.fetch(b, client, "/v1/models", 5.0)
+            await control.fetch(b, client, "/v1/models", 5.0)
         assert len(transport._pools) == 2
         monkeypatch.setattr(control, "IDLE_CLOSE_S", 0.0)  # every pool used before now counts as idle
-        await backends[2].fetch(client, "/v1/models", 5.0)  # a new replica: the idle ones close
+        await control.fetch(backends[2], client, "/v1/models", 5.0)  # a new replica: the idle ones close
         assert [origin[2] for origin in transport._pools] == [sims[2].port]
     finally:
         await client.aclose()

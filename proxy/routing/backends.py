@@ -1,34 +1,14 @@
-"""Live state of each vLLM replica: health, what it serves, and the proxy's in-flight count."""
+"""Live state of each vLLM replica: health, what it serves, and the proxy's in-flight count.
+Compiled with the routing decision (proxy/native.py), which reads it on every request; its
+control-plane calls are in proxy/control.py."""
 from __future__ import annotations
 
-import asyncio
 from hashlib import blake2b
+from typing import ClassVar
 from urllib.parse import urlsplit
-
-import httpx
 
 from proxy.config import BackendConfig
 from proxy.parse import ENDPOINTS
-
-# The most a control-plane answer (/v1/models, /metrics, LoRA admin) may be: a replica that
-# sends more is broken or hostile; reading it whole would take the proxy's memory with it, and
-# parsing it blocks the event loop (4 MiB of metric lines: ~0.2 s; vLLM's own are ~100 KiB).
-CONTROL_BODY_LIMIT = 4 << 20
-
-
-async def read_capped(resp: httpx.Response, limit: int = CONTROL_BODY_LIMIT) -> bytes:
-    """The body of a streamed `resp` as sent (never decompressed: we ask for identity, and a 1 MiB
-    gzip can hold 1 GiB), or a ValueError once it is known to exceed `limit`."""
-    declared = resp.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise ValueError(f"answer of {declared} bytes exceeds {limit}")
-    body = bytearray()
-    async for chunk in resp.aiter_raw():
-        body += chunk
-        if len(body) > limit:
-            raise ValueError(f"answer exceeds {limit} bytes")
-    return bytes(body)
-
 
 class Backend:
     __slots__ = (
@@ -37,7 +17,7 @@ class Backend:
         "origin", "heads", "errors_in_row", "ejections", "ejected_until", "limit", "cache_tokens",
         "waiting", "kv_usage", "itl_s", "load_factor",
     )
-    speed_version = 0  # moves on whenever some backend's load_factor changes (proxy/routing/speed.py)
+    speed_version: ClassVar[int] = 0  # moves on whenever some backend's load_factor changes (proxy/routing/speed.py)
 
     def __init__(self, config: BackendConfig) -> None:
         self.name = config.name
@@ -80,22 +60,6 @@ class Backend:
         # in prefix_affinity's balance against the fastest replica's (proxy/routing/speed.py)
         self.itl_s: float | None = None
         self.load_factor = 1.0
-
-    async def fetch(self, client: httpx.AsyncClient, path: str, timeout_s: float) -> bytes:
-        """GET a control-plane path (`/v1/models`, `/metrics`) with the replica's key, within
-        `timeout_s` in all; the body of a 200, else an exception (any failure means "no answer
-        now"; running out of time is an asyncio.TimeoutError)."""
-        auth = {"Authorization": self.headers["Authorization"]} if "Authorization" in self.headers else None
-        try:
-            return await asyncio.wait_for(self._get(client, path, auth, timeout_s), timeout_s)
-        except httpx.TimeoutException:
-            raise asyncio.TimeoutError() from None
-
-    async def _get(self, client: httpx.AsyncClient, path: str, auth: dict | None, timeout_s: float) -> bytes:
-        async with client.stream("GET", self.url + path, headers=auth, timeout=timeout_s) as resp:
-            if resp.status_code != 200:
-                raise ValueError(f"HTTP {resp.status_code}")
-            return await read_capped(resp)
 
     def head_prefix(self, method: str, target: str, content_type: bytes = b"application/json") -> bytes:
         """The request line and fixed headers for any other endpoint (`target`: path and query)."""

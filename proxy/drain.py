@@ -18,7 +18,8 @@ import sys
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
-from proxy.server import cancel, refuse_unsupported
+from proxy.cycle import cancel
+from proxy.server import refuse_unsupported
 
 log = logging.getLogger("vllm_proxy")
 

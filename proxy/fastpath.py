@@ -24,6 +24,7 @@ import math
 from typing import Any, Coroutine
 
 from proxy import inference
+from proxy.cycle import LeanCycle
 from proxy.errors import ProxyError
 from proxy.forward import UpstreamFailure, as_failure, plain_answer
 from proxy.http1 import Response, UpstreamError, body_too_large
@@ -37,7 +38,7 @@ from proxy.spec import JSON_BODY
 log = logging.getLogger("vllm_proxy")
 
 
-def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
+def start(rt: Runtime, cycle: LeanCycle, endpoint: str, started: float) -> bool:
     """Serve `cycle`'s request (its body complete) without a task if it is the common case, else
     hand it to a task from where it stands. False: nothing was counted; run the app as usual."""
     body = cycle.peek_body()
@@ -71,7 +72,7 @@ def start(rt: Runtime, cycle: Any, endpoint: str, started: float) -> bool:
     return True
 
 
-def _begin(rt: Runtime, call: Call, cycle: Any, lease: Lease, endpoint: str, parsed: ParsedRequest,
+def _begin(rt: Runtime, call: Call, cycle: LeanCycle, lease: Lease, endpoint: str, parsed: ParsedRequest,
            route: Route) -> None:
     rt.retries.deposit()
     response = None
@@ -94,7 +95,7 @@ class _Exchange:
     __slots__ = ("rt", "call", "cycle", "lease", "attempt", "response", "timeouts", "bucket", "what", "deadline",
                  "parts", "size", "over", "closed", "track", "headed")
 
-    def __init__(self, rt: Runtime, call: Call, cycle: Any, lease: Lease, response: Response, timeouts: Any,
+    def __init__(self, rt: Runtime, call: Call, cycle: LeanCycle, lease: Lease, response: Response, timeouts: Any,
                  now: float) -> None:
         self.rt = rt
         self.call = call

@@ -52,6 +52,7 @@ MODULES = (
     "proxy.forward",
     "proxy.routing.scheduler",
     "proxy.fastpath",
+    "proxy.cycle",
     "proxy.inference",
     "proxy.metrics",
 )

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import logging
 import resource
 from typing import Any
@@ -40,7 +39,7 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from proxy.asgi import DISCONNECT
+from proxy.cycle import LeanCycle, cancel
 from proxy.errors import ProxyError
 
 log = logging.getLogger("vllm_proxy")
@@ -49,10 +48,6 @@ LEAN_PATHS = frozenset(
     p.encode() for p in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
                          "/chat/completions", "/completions", "/embeddings")
 )
-_DISCONNECT_MESSAGE = {"type": "http.disconnect"}
-_INTERNAL = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
-_SHUTTING_DOWN = ProxyError(503, "The proxy is shutting down; retry the request.", code="proxy_shutting_down",
-                            type="service_unavailable")
 _feed = HttpToolsProtocol.data_received  # called directly: super() costs per read
 
 
@@ -82,15 +77,6 @@ _LINGER_S = 2.0  # after a refusal, read and discard this long so the client see
 # the rest).
 MAX_PIPELINED = 64
 _PIPELINE_FULL = (0, "", "")
-
-
-def cancel(task: Any, msg: Any = None) -> None:
-    """Cancel a request's task; one that has not run its first step yet is cancelled right after
-    it (cancelled before, its coroutine would never run, nor the cleanup in its `finally`)."""
-    if isinstance(task, asyncio.Task) and inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CREATED:
-        asyncio.get_running_loop().call_soon(task.cancel, msg)
-    else:
-        task.cancel(msg)
 
 
 def in_callbacks_hook(app: Any) -> Any:
@@ -417,227 +403,3 @@ class ProxyProtocol(HttpToolsProtocol):
                 self._dispatch(cycle)
             else:
                 cycle.wake()
-
-
-class LeanCycle:
-    """One request-response cycle on a ProxyProtocol connection; quacks like uvicorn's
-    RequestResponseCycle where the protocol looks at it, and is its own disconnect watch."""
-
-    __slots__ = ("protocol", "transport", "flow", "scope", "body", "size", "more_body", "keep_alive",
-                 "response_complete", "disconnected", "delivered", "task", "armed", "gone", "_waiter", "_started", "_head",
-                 "_chunked")
-
-    def __init__(self, protocol: ProxyProtocol, scope: dict, keep_alive: bool) -> None:
-        self.protocol = protocol
-        self.transport = protocol.transport
-        self.flow = protocol.flow
-        self.scope = scope
-        scope[DISCONNECT] = self
-        self.body: list[bytes] = []
-        self.size = 0
-        self.more_body = True
-        self.keep_alive = keep_alive
-        self.response_complete = False
-        self.disconnected = False
-        self.delivered = False  # the whole body went to the app
-        self.task: asyncio.Task | None = None
-        self.armed = False
-        self.gone = False
-        self._waiter: asyncio.Future | None = None
-        self._started = False
-        self._head: list[bytes] | None = None  # a plain response's head, sent with its body
-        self._chunked = False
-
-    # -- what uvicorn's protocol calls on its cycle (connection_lost, shutdown) ------------------
-    @property
-    def message_event(self) -> "LeanCycle":
-        return self
-
-    def set(self) -> None:
-        """The protocol's `message_event.set()`: after connection_lost, this is the disconnect."""
-        if self.disconnected and self.armed and not self.gone:
-            self.gone = True
-            cancel(self.task)
-        self.wake()
-
-    def wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    # -- the disconnect watch (proxy/inference.py) ----------------------------------------------
-    def arm(self) -> "LeanCycle":
-        """From now until stop(), a client disconnect cancels the request task."""
-        self.armed = True
-        if self.disconnected and not self.response_complete:
-            self.set()
-        return self
-
-    def stop(self) -> None:
-        self.armed = False
-
-    # -- ASGI --------------------------------------------------------------------------------
-    def spawn(self, app: Any) -> asyncio.Task:
-        """Run `app` (an ASGI app, or any callable of scope, receive and send) for this cycle in a
-        task of the server's (the drain waits for them); it becomes the task a disconnect cancels."""
-        protocol = self.protocol
-        self.task = task = protocol.loop.create_task(self.run(app))
-        task.add_done_callback(protocol.tasks.discard)
-        protocol.tasks.add(task)
-        return task
-
-    async def run(self, app: Any) -> None:
-        try:
-            await app(self.scope, self.receive, self.send)
-        except BaseException as exc:  # noqa: BLE001 - the app's bug must not kill the connection silently
-            cancelled = isinstance(exc, asyncio.CancelledError)
-            if not cancelled:
-                log.error("exception in the request handler", exc_info=exc)
-            self.finish_unanswered(cancelled)
-        else:
-            if not self._started and not self.disconnected:
-                log.error("the request handler returned without a response")
-            self.finish_unanswered()
-        finally:
-            self.detach()
-
-    def detach(self) -> None:
-        """Leave no reference cycle behind (protocol <-> cycle, scope[DISCONNECT] <-> cycle,
-        task -> coroutine -> cycle): per-request garbage that only the cyclic collector could
-        free would cost throughput and tail latency."""
-        protocol = self.protocol
-        if protocol is not None and protocol.lean is self:
-            protocol.lean = None
-        self.protocol = None  # type: ignore[assignment]
-        self.scope = None  # type: ignore[assignment]
-        self.task = None
-
-    def finish_unanswered(self, cancelled: bool = False) -> None:
-        """After the app (or a request served in callbacks, proxy/fastpath.py): a response never
-        started is a 500 (a 503 when the server cancelled it: the drain deadline passed,
-        proxy/drain.py), one left unfinished is cut off, so a client is never left waiting."""
-        if not self._started and not self.disconnected:
-            err = _SHUTTING_DOWN if cancelled else _INTERNAL
-            self.keep_alive = False
-            body = err.body()
-            self.respond(err.status, [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
-                         body)
-        elif not self.response_complete:
-            self.transport.close()
-
-    async def receive(self) -> dict:
-        if self.more_body or self.body or not self.delivered:
-            while not self.body and self.more_body and not (self.disconnected or self.response_complete):
-                await self._wait()
-            if self.disconnected or self.response_complete:
-                return _DISCONNECT_MESSAGE
-            return {"type": "http.request", "body": self.take_body(), "more_body": self.more_body}
-        # Body read: like uvicorn, answer "disconnect" once the response is done or the client left.
-        while not (self.disconnected or self.response_complete):
-            await self._wait()
-        return _DISCONNECT_MESSAGE
-
-    def peek_body(self) -> bytes:
-        """The body bytes buffered so far, left in place (joined once, so `take_body` need not)."""
-        body = self.body
-        if len(body) != 1:
-            body[:] = [b"".join(body)]
-        return body[0]
-
-    def take_body(self) -> bytes:
-        """The body bytes buffered so far, handed over (reading resumed if they had paused it)."""
-        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-        self.body.clear()
-        if self.size > HIGH_WATER_LIMIT:
-            self.flow.resume_reading()
-        self.size = 0
-        self.delivered = not self.more_body
-        return body
-
-    async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    async def send(self, message: dict) -> None:
-        kind = message["type"]
-        if kind == "http.response.body":
-            if self.response_complete:
-                raise RuntimeError("response already complete")
-            if self.flow.write_paused and not self.disconnected:
-                await self.flow.drain()
-            if self.disconnected or self.transport.is_closing():
-                return
-            body = message.get("body", b"")
-            more = message.get("more_body", False)
-            if not self._started:
-                raise RuntimeError("response not started")
-            out = self._head
-            if out is None:
-                out = []
-            else:
-                self._head = None
-            if self._chunked:
-                if body:
-                    out += (b"%x\r\n" % len(body), body, b"\r\n")
-                if not more:
-                    out.append(b"0\r\n\r\n")
-            elif body:
-                out.append(body)
-            if out:
-                self.transport.write(out[0] if len(out) == 1 else b"".join(out))
-            if not more:
-                self._complete()
-        elif kind == "http.response.start":
-            head = self._start(message["status"], message.get("headers", ()))
-            if self._chunked:  # a stream: its head goes out now (clients see the status before the first token)
-                if not self.disconnected and not self.transport.is_closing():
-                    self.transport.write(head)
-            else:  # a plain body: head and body leave in one write
-                self._head = [head]
-        else:
-            raise RuntimeError(f"unexpected ASGI message {kind!r}")
-
-    def _start(self, status: int, headers: Any) -> bytes:
-        """The response head (chunked unless the headers give a Content-Length)."""
-        if self._started:
-            raise RuntimeError("response already started")
-        self._started = True
-        head = [STATUS_LINE[status]]
-        chunked = True
-        for name, value in headers:
-            if name == b"content-length":
-                chunked = False
-            elif name == b"connection" and b"close" in value.lower():
-                self.keep_alive = False
-                continue
-            head += (name, b": ", value, b"\r\n")
-        for name, value in self.protocol.server_state.default_headers:  # Date (and Server if on)
-            head += (name, b": ", value, b"\r\n")
-        if chunked:
-            head.append(b"transfer-encoding: chunked\r\n")
-        if not self.keep_alive:
-            head.append(b"connection: close\r\n")
-        head.append(b"\r\n")
-        self._chunked = chunked
-        return b"".join(head)
-
-    def respond(self, status: int, headers: Any, body: bytes) -> None:
-        """A whole plain response at once, outside any task (proxy/fastpath.py): `headers` must
-        give its Content-Length. The cycle is complete after it."""
-        head = self._start(status, headers)
-        if not self.disconnected and not self.transport.is_closing():
-            self.transport.write(head + body)
-        self._complete()
-
-    def _complete(self) -> None:
-        self.response_complete = True
-        self.armed = False
-        self.wake()
-        protocol = self.protocol
-        if not self.keep_alive:
-            self.transport.close()
-        if protocol is not None:
-            protocol.on_response_complete()

@@ -208,10 +208,16 @@ class AccessLog:
         self.writer = install_handler(config.file)
         self.worker = worker_id()
         self._fixed: dict[tuple, tuple[bytes, bytes, bytes]] = {}
+        self._enabled: dict[int, bool] = getattr(log, "_cache", {})  # level -> enabled (CPython 3.7+)
 
     def wanted(self) -> bool:
         """Whether this request gets a line (level enabled, and drawn by the sampling)."""
-        if not log.isEnabledFor(self.level):
+        # (Logger.isEnabledFor reads its answer from the logger's cache, which logging clears on
+        # any level change: read there first, without the interpreted call, as it does)
+        enabled = self._enabled.get(self.level)
+        if enabled is None or log.disabled:
+            enabled = log.isEnabledFor(self.level)
+        if not enabled:
             return False
         return self.sample >= 1.0 or random.random() < self.sample
 

@@ -117,33 +117,41 @@ def render_prompt(prompt: Any) -> bytes:
 
 
 class _SystemHashes:
-    """(seed, block size, system part) -> (pin, hashes of the blocks inside it, last hash): an LRU
-    bounded by the bytes of system text it holds. A plain dict in use order (a hit is moved to the
-    end by taking it out and putting it back): compiled, that is native dict calls, where an
-    OrderedDict's are generic method calls."""
+    """(seed, block size, system part) -> (pin, hashes of the blocks inside it, last hash), bounded
+    by the bytes of system text it holds: an approximate LRU of two generations. Entries go into
+    the young one; once it holds half the budget it becomes the old one (the previous old one is
+    dropped), and a hit in the old one moves back into the young one. A hit in the young one, a
+    tenant seen lately, is one dict lookup: moving every hit to the end of one ordered dict took
+    a pop and an insert per request."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.used = 0
-        self.entries: dict[tuple[str, int, bytes], tuple[int, tuple[int, ...], bytes]] = {}
+        self.young: dict[tuple[str, int, bytes], tuple[int, tuple[int, ...], bytes]] = {}
+        self.old: dict[tuple[str, int, bytes], tuple[int, tuple[int, ...], bytes]] = {}
+        self.used = 0  # bytes of system text in `young`
+        self.old_used = 0  # ... in `old`
 
     def get(self, key: tuple[str, int, bytes]) -> tuple[int, tuple[int, ...], bytes] | None:
-        entries = self.entries
-        found = entries.pop(key, None)
-        if found is not None:
-            entries[key] = found
+        found = self.young.get(key)
+        if found is None:
+            found = self.old.pop(key, None)
+            if found is not None:
+                self.old_used -= len(key[2])
+                self._add(key, found)
         return found
 
     def put(self, key: tuple[str, int, bytes], value: tuple[int, tuple[int, ...], bytes]) -> None:
         if len(key[2]) > self.budget // 16:  # a huge system part is hashed per request instead
             return
-        entries = self.entries
-        entries[key] = value
-        self.used += len(key[2])
-        while self.used > self.budget:
-            old = next(iter(entries))
-            del entries[old]
-            self.used -= len(old[2])
+        self._add(key, value)
+
+    def _add(self, key: tuple[str, int, bytes], value: tuple[int, tuple[int, ...], bytes]) -> None:
+        size = len(key[2])
+        if self.used + size > self.budget // 2:
+            self.old, self.old_used = self.young, self.used
+            self.young, self.used = {}, 0
+        self.young[key] = value
+        self.used += size
 
 
 _system_hashes = _SystemHashes(_SYSTEM_CACHE_BYTES)

@@ -98,7 +98,8 @@ def test_system_part_hashes_are_kept_without_changing_keys() -> None:
     bounded = prefix._SystemHashes(10_000)
     for i in range(100):
         bounded.put(("m", 64, b"%04d" % i * 125), (i, (), b""))
-    assert bounded.used <= 10_000 and len(bounded.entries) == 20
+    assert bounded.used + bounded.old_used <= 10_000 and len(bounded.young) + len(bounded.old) == 20
+    assert bounded.get(("m", 64, b"%04d" % 85 * 125)) is not None and bounded.get(("m", 64, b"%04d" % 5 * 125)) is None
 
 
 def test_prefix_key_values_follow_their_definition() -> None:
@@ -698,9 +699,7 @@ def test_the_clock_counts_every_proxys_requests() -> None:
         remote_guard: dict = {}
         routed = 0
         remote_rate_at = 0.0
-
-        def longest(self, chain):
-            return None
+        mirrored = False  # (the policy then reads its own index)
 
         def remember(self, hashes, backend):
             pass

@@ -16,19 +16,16 @@ class Route:
     parent: str | None = None  # for adapters: the public name of their base (for /v1/models)
     timeouts: Timeouts = Timeouts()  # upstream timeouts for this deployment
 
-    @property
-    def upstream_id(self) -> str:
-        """What vLLM expects in `model`: the adapter name selects the adapter."""
-        return self.adapter or self.model
-
-    @property
-    def rewrite(self) -> bool:
-        return self.name != self.upstream_id
-
-    # response bytes to swap so clients see the name they asked for in `model` (set once, below)
+    # Derived once here (fields, not properties: the request path reads them on every request).
+    # What vLLM expects in `model`: the adapter name selects the adapter
+    upstream_id: str = field(init=False, default="", compare=False, repr=False)
+    rewrite: bool = field(init=False, default=False, compare=False, repr=False)  # the name differs from it
+    # response bytes to swap so clients see the name they asked for in `model`
     rename: tuple[bytes, bytes] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "upstream_id", self.adapter or self.model)
+        object.__setattr__(self, "rewrite", self.name != self.upstream_id)
         if self.rewrite:
             swap = (b'"model":"%s"' % self.upstream_id.encode(), b'"model":"%s"' % self.name.encode())
             object.__setattr__(self, "rename", swap)

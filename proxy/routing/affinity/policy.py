@@ -13,7 +13,7 @@ from proxy.parse import CHAT, ParsedRequest
 from proxy.prefix import prefix_key
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
-from proxy.routing.index import PrefixIndex
+from proxy.routing.index import PrefixIndex, longest_match
 from proxy.routing.affinity.balance import Balance
 from proxy.routing.affinity.coalesce import Coalescer
 from proxy.routing.affinity.counts import DecayedCounts
@@ -123,18 +123,21 @@ class PrefixAffinity:
         pin, chain, pin_blocks = prefix_key(endpoint == CHAT, request.data, route.upstream_id, block_chars,
                                             self._max_blocks)
         shared = self.shared
-        match = None
+        match: tuple[int, str | None] | None = None
         if shared is not None:
             shared.busy = True
             shared.routed += 1
-            match = shared.longest(chain)
+            # (SharedState.longest, without an interpreted call: the mirror once filled, else the local index)
+            if chain and shared.mirrored:
+                match = longest_match(shared.owner, chain)
         if match is None:
             match = self.index.longest(chain)
         wall = self._wall()
         now = self.view.tick(wall)
         where = self._positions(route.name, candidates, now)
         self.table.note_prompt(pin_blocks)
-        self.repair.check(candidates, now)
+        if now >= self.repair.next_at:  # (the check itself: an interpreted call)
+            self.repair.check(candidates, now)
         tenants = self.tenants
         returning = self.placement.returning = pin in self.pins and tenants.idle(pin, now, wall)
         chosen, reason = self.placement.decide(route.name, candidates, where, pin, pin_blocks, match, now, wall)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 _RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulators past it
 
@@ -16,8 +17,8 @@ class DecayedCounts:
     def __init__(self, tau: float, now: float) -> None:
         self.tau = tau
         self.t0 = now
-        self.scaled: dict = {}
-        self._at: float | None = None
+        self.scaled: dict[Any, float] = {}  # (typed: compiled, its values add unboxed)
+        self._at = math.nan  # the clock `_up` is for (NaN: none; it equals no time)
         self._up = 1.0
 
     def factor(self, now: float) -> float:

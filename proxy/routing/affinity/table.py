@@ -90,7 +90,7 @@ class TenantTable:
         self.store.forget_idle(lambda p: tenants.idle(p, now, wall))
         if len(pins) > cfg.max_tenants:
             seen = tenants.seen
-            recent = sorted(pins, key=lambda p: seen[p][1] if p in seen else -math.inf)
+            recent = sorted(pins, key=lambda p: seen[p].last if p in seen else -math.inf)
             for pin in recent[:len(pins) - cfg.max_tenants * 9 // 10]:
                 del pins[pin]
         self.changed = {p: t for p, t in self.changed.items() if p in pins}

@@ -31,6 +31,20 @@ _FAST = 30.0
 _SHIFTED_SIGMAS = 3.0  # a share over the short window this far from the long one means the tenant changed
 
 
+class Seen:
+    """What `TenantStats` remembers of a tenant besides its counts (a mutable record: compiled, its
+    fields are unboxed, and a request updates it in place instead of building a tuple)."""
+
+    __slots__ = ("first", "last", "low", "before", "before_fast")
+
+    def __init__(self, first: float, before: float, before_fast: float) -> None:
+        self.first = first  # its first request (policy clock)
+        self.last = first  # its last request
+        self.low = 0.0  # a low estimate of its share at the last
+        self.before = before  # decayed requests before its first, in `rate`
+        self.before_fast = before_fast  # ... in `fast`
+
+
 class TenantStats:
     def __init__(self, config: AffinityConfig, load: LoadView, pins: Pins) -> None:
         self.config = config
@@ -44,9 +58,7 @@ class TenantStats:
         self.rate = DecayedCounts(window, 0.0)  # per pin, and None = all requests
         # the same over a thirtieth of the window: a tenant turning hot or cold shows here first
         self.fast = DecayedCounts(window / _FAST, 0.0)
-        # pin -> (first request, last request, low share estimate at the last, decayed requests before the
-        # first in `rate`, in `fast`)
-        self.seen: dict[int, tuple[float, float, float, float, float]] = {}
+        self.seen: dict[int, Seen] = {}
 
     def note(self, pin: int, now: float, returning: bool) -> None:
         """Count this request for its tenant and remember when it was seen, with a low estimate
@@ -54,20 +66,20 @@ class TenantStats:
         rates, fast, seen = self.rate, self.fast, self.seen
         up, up_fast = rates.factor(now), fast.factor(now)
         rscaled, fscaled = rates.scaled, fast.scaled
-        if returning or pin not in seen:  # (again) new: its old rate says nothing now
+        stats = None if returning else seen.get(pin)
+        if stats is None:  # (again) new: its old rate says nothing now
             rscaled.pop(pin, None)
             fscaled.pop(pin, None)
-            seen[pin] = (now, now, 0.0, rscaled.get(None, 0.0) / up, fscaled.get(None, 0.0) / up_fast)
+            seen[pin] = stats = Seen(now, rscaled.get(None, 0.0) / up, fscaled.get(None, 0.0) / up_fast)
         rates.count(pin, up)
         fast.count(pin, up_fast)
-        stats = seen[pin]
         whole = rscaled[None]
         # (_exposure is 1 for a tenant that came first: skip the call)
-        total = whole if stats[3] <= 0.0 else whole * _exposure(stats, 3, whole / up, rates.tau, now)
+        total = whole if stats.before <= 0.0 else whole * _exposure(stats, False, whole / up, rates.tau, now)
         mine = rscaled[pin] / up  # decayed requests of this tenant
         low = mine - _IDLE_SIGMAS * math.sqrt(mine)
-        low = (0.0 if 0.0 > low else low) * up / total  # (max(low, 0.0) without the call)
-        seen[pin] = (stats[0], now, low, stats[3], stats[4])
+        stats.low = (0.0 if 0.0 > low else low) * up / total  # (max(low, 0.0) without the call)
+        stats.last = now
 
     def idle(self, pin: int, now: float, wall: float) -> bool:
         """No request of this tenant for 6 of its mean gaps (as this proxy sees them: 1/N of its
@@ -77,8 +89,8 @@ class TenantStats:
         if seen is None:
             entry = self.pins.get(pin)
             return entry is None or (wall - entry[1]) * self.load.rate > self.forget_requests
-        gap = now - seen[1]
-        return gap >= self.forget_requests or gap * seen[2] >= _IDLE_GAPS * self.load.proxies
+        gap = now - seen.last
+        return gap >= self.forget_requests or gap * seen.low >= _IDLE_GAPS * self.load.proxies
 
     def presence(self, pin: int, now: float) -> float:
         """How likely the tenant still sends, from the gap since its last request: 1 within three of
@@ -87,7 +99,7 @@ class TenantStats:
         seen = self.seen.get(pin)
         if seen is None:
             return 1.0
-        gaps = (now - seen[1]) * seen[2] / self.load.proxies
+        gaps = (now - seen.last) * seen.low / self.load.proxies
         return 1.0 if gaps <= _PRESENT_GAPS else math.exp(_PRESENT_GAPS - gaps)
 
     def warm(self, now: float) -> bool:
@@ -98,21 +110,21 @@ class TenantStats:
     def exposure(self, pin: int, now: float, fast: bool = False) -> float:
         """Share of this proxy's decayed request count that arrived since the tenant appeared."""
         counts = self.fast if fast else self.rate
-        return _exposure(self.seen.get(pin), 4 if fast else 3, counts.value(None, now), counts.tau, now)
+        return _exposure(self.seen.get(pin), fast, counts.value(None, now), counts.tau, now)
 
     def estimate(self, pin: int, now: float, fast: bool = False) -> tuple[float, float]:
         """(this tenant's share of the requests routed here, the decayed requests it rests on),
         counted since the tenant appeared: a new tenant's share is not diluted by the window."""
         if fast:
-            return self._estimate(pin, now, self.fast, self.seen.get(pin), 4)
-        return self._estimate(pin, now, self.rate, self.seen.get(pin), 3)
+            return self._estimate(pin, now, self.fast, self.seen.get(pin), True)
+        return self._estimate(pin, now, self.rate, self.seen.get(pin), False)
 
     @staticmethod
-    def _estimate(pin: int, now: float, counts: DecayedCounts, stats, at: int) -> tuple[float, float]:
+    def _estimate(pin: int, now: float, counts: DecayedCounts, stats: Seen | None, fast: bool) -> tuple[float, float]:
         up = counts.factor(now)  # first: it may renormalise (replace) `scaled`
         scaled = counts.scaled
         whole = scaled.get(None, 0.0)
-        total = whole * _exposure(stats, at, whole / up, counts.tau, now)
+        total = whole * _exposure(stats, fast, whole / up, counts.tau, now)
         if total <= 0.0:
             return 0.0, 0.0
         share = scaled.get(pin, 0.0) / total
@@ -153,13 +165,13 @@ class TenantStats:
             return False
         need = size * self.grow_fill
         stats = self.seen.get(pin)
-        for counts, at in ((self.rate, 3), (self.fast, 4)):
+        for counts, fast in ((self.rate, False), (self.fast, True)):
             # most tenants have too few requests for a low bound above 0: no estimate needed
             # (`mine` below is at most its decayed requests, and mine - s sqrt(mine) <= 0 up to s^2)
             up = counts.factor(now)  # first: it may renormalise (replace) `scaled`
             if counts.scaled.get(pin, 0.0) < _FEW_TO_GROW * up:
                 continue
-            share, seen = self._estimate(pin, now, counts, stats, at)
+            share, seen = self._estimate(pin, now, counts, stats, fast)
             mine = share * seen  # its requests (decayed); Poisson bound: a first request is not "100 %"
             low = mine - _GROW_SIGMAS * math.sqrt(mine)
             low = (0.0 if 0.0 > low else low) / (1.0 if 1.0 > seen else seen)
@@ -174,8 +186,8 @@ class TenantStats:
         of a tenant at a steady 23 % of the traffic (between the growth and shrink thresholds)
         12-15 times in 20000 requests; a set grows on the low end of its estimates too."""
         stats = self.seen.get(pin)
-        share, _ = self._estimate(pin, now, self.rate, stats, 3)
-        fast, seen = self._estimate(pin, now, self.fast, stats, 4)
+        share, _ = self._estimate(pin, now, self.rate, stats, False)
+        fast, seen = self._estimate(pin, now, self.fast, stats, True)
         mine = fast * seen
         top = (mine + _GROW_SIGMAS * math.sqrt(mine)) / (1.0 if 1.0 > seen else seen)
         return top if top < share else share
@@ -214,15 +226,15 @@ class TenantStats:
             counts.scaled = {k: v for k, v in counts.scaled.items() if k is None or k in pins}
 
 
-def _exposure(stats: tuple | None, at: int, total: float, tau: float, now: float) -> float:
+def _exposure(stats: Seen | None, fast: bool, total: float, tau: float, now: float) -> float:
     """Share of `total` (this proxy's decayed request count, time constant `tau`) that arrived
-    since the tenant (`stats`: its `seen` entry; `at`: where its count before it is) appeared."""
+    since the tenant (`stats`: its `seen` entry) appeared; `fast`: counted on the short window."""
     if stats is None:
         return 1.0
-    before = stats[at]
+    before = stats.before_fast if fast else stats.before
     if before <= 0.0:
         return 1.0
-    before = before * math.exp(-(now - stats[0]) / tau)
+    before = before * math.exp(-(now - stats.first) / tau)
     if total > 0.0:
         part = 1.0 - before / total
         return 1e-9 if 1e-9 > part else part

@@ -136,6 +136,7 @@ class LineWriter(logging.Handler):
         self.pending: list[bytes] = []
         self.size = 0
         self.timer_loop: asyncio.AbstractEventLoop | None = None  # the loop whose flush timer is pending
+        self.timer_thread = 0  # the thread that loop runs in
         self.mutex = threading.Lock()  # several proxies (threads) may share it in one process
         atexit.register(self.flush)
 
@@ -150,6 +151,12 @@ class LineWriter(logging.Handler):
             self.pending.append(data)
             self.size += len(data)
             if self.size < self.BATCH - 512:
+                # A timer of this thread's running loop is pending: it writes this line too. (Asked
+                # without asyncio.get_running_loop(), a getpid() system call on Python < 3.12: a
+                # thread runs one loop at a time, so a running timer loop of this thread is it.)
+                timer = self.timer_loop
+                if timer is not None and self.timer_thread == threading.get_ident() and timer.is_running():
+                    return
                 try:
                     loop = asyncio.get_running_loop()
                 except RuntimeError:  # no event loop in this thread: write now
@@ -157,8 +164,8 @@ class LineWriter(logging.Handler):
                 if loop is not None:
                     # one timer per loop at a time, never cancelled (a loop's timer is not another
                     # thread's to cancel): when it fires it writes what is pending, if anything
-                    if self.timer_loop is not loop:
-                        self.timer_loop = loop
+                    if timer is not loop:
+                        self.timer_loop, self.timer_thread = loop, threading.get_ident()
                         loop.call_later(self.DELAY_S, self._timed, loop)
                     return
         self.flush()

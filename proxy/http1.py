@@ -181,12 +181,14 @@ def _expire(waiter: asyncio.Future, what: str) -> None:
 
 
 class _Connection(asyncio.Protocol):
-    __slots__ = ("pool", "key", "transport", "parser", "response", "closed", "idle_since", "_interim", "_framed",
-                 "_head_bytes", "_request", "feeding")
+    __slots__ = ("pool", "key", "loop", "transport", "parser", "response", "closed", "idle_since", "_interim",
+                 "_framed", "_head_bytes", "_request", "feeding")
 
-    def __init__(self, pool: "Pool", key: tuple) -> None:
+    def __init__(self, pool: "Pool", key: tuple, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
         self.key = key
+        # its event loop, kept: asyncio.get_running_loop() is a getpid() system call on Python < 3.12
+        self.loop = loop
         self.transport: Any = None  # (uvloop's or asyncio's; None until connected)
         self.parser: Any = None
         self.response: Optional[Response] = None
@@ -361,7 +363,7 @@ class Pool:
 
     def _queue(self, conn: _Connection) -> None:
         if not self._unsent:
-            asyncio.get_running_loop().call_soon(self._write_all)
+            conn.loop.call_soon(self._write_all)
         self._unsent.append(conn)
 
     def _write_all(self) -> None:
@@ -382,7 +384,7 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, key), host, port, ssl=context), timeout
+                loop.create_connection(lambda: _Connection(self, key, loop), host, port, ssl=context), timeout
             )
         except asyncio.TimeoutError:
             raise UpstreamError("connect", f"connecting to {host}:{port} timed out") from None

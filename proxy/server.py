@@ -4,10 +4,10 @@ uvicorn's generic cycle costs about as much CPU per request as everything the pr
 (measured on loadtest/overhead.py): it validates every response header with two regexes, writes
 the head and the body of a response in two system calls, and the disconnect watch the proxy needs
 costs a second task per request, blocked in `receive()`. For POST /v1/chat/completions,
-/v1/completions and /v1/embeddings, `ProxyProtocol` runs the app with `LeanCycle` instead: the
-same ASGI scope, receive and send, but a plain response leaves in one write (head and body),
-headers are trusted (the proxy builds them), and the client's disconnect
-cancels the request task directly (`scope[DISCONNECT].arm()`, see proxy/inference.py). The task
+/v1/completions and /v1/embeddings, `ProxyProtocol` runs the app with `LeanCycle`
+(proxy/cycle.py) instead: the same ASGI scope, receive and send, but a plain response leaves in
+one write (head and body), headers are trusted (the proxy builds them), and the client's
+disconnect cancels the request task directly (`scope[DISCONNECT].arm()`, see proxy/inference.py). The task
 starts only once the body is complete: a plain request may be served without one, in callbacks
 (the app's `serve_in_callbacks`, proxy/fastpath.py), with `LeanCycle.respond` writing its answer.
 
@@ -39,7 +39,7 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from proxy.cycle import LeanCycle, cancel
+from proxy.cycle import LeanCycle
 from proxy.errors import ProxyError
 
 log = logging.getLogger("vllm_proxy")

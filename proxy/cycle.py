@@ -1,7 +1,9 @@
 """`LeanCycle`: one request-response cycle of proxy/server.py's `ProxyProtocol` for the inference
 POSTs (that module says why it replaces uvicorn's cycle). Compiled with the request path
 (proxy/native.py): the data path calls it several times per request (`respond`, `take_body`,
-`arm`, `wake`), and interpreted, those calls were ~5 % of a request's instructions."""
+`arm`, `wake`): interpreted, they cost 2 % of a production request's instructions (239.2 k
+against 234.5 k compiled: `python -m loadtest.instructions --policy prefix_affinity --redis
+--system`)."""
 from __future__ import annotations
 
 import asyncio

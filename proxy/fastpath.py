@@ -69,6 +69,7 @@ def start(rt: Runtime, cycle: LeanCycle, endpoint: str, started: float) -> bool:
             lease.__exit__(None, None, None)
             cycle.finish_unanswered()
             cycle.detach()
+    rt.scheduler.settle()  # the pick's bookkeeping, now that the request is on its way
     return True
 
 

@@ -183,6 +183,25 @@ def test_packing_repair_moves_a_tenant_out_of_a_crowded_cache() -> None:
     assert policy.repair.plan(bs, now) == []
 
 
+def test_a_pick_left_unsettled_decides_as_a_settled_one() -> None:
+    """`pick_now` (the data path's) leaves the decision's bookkeeping for `settle`, which the next
+    pick runs first: the same requests get the same replicas as through `pick`, and the index
+    learns a prefix once the decision is settled."""
+    bs = backends(4)
+    settled, deferred = (PrefixAffinity(AffinityConfig(block_chars=64)) for _ in range(2))
+    requests = [chat_request(tenant(i % 7), "question %d " % i * 9) for i in range(300)]
+    route = route_for(bs)
+    for request in requests:
+        expected = asyncio.run(settled.pick(bs, request, route))
+        assert deferred.pick_now(bs, request, route) == expected
+    last = requests[-1]
+    chain = prefix_key(True, last.data, MODEL, 64, deferred._max_blocks).chain
+    assert deferred.index.longest(chain)[0] < len(chain)  # its own last block: not yet known
+    deferred.settle()
+    assert deferred.index.longest(chain) == settled.index.longest(chain) == (len(chain), expected[0].name)
+    assert deferred.tenants.rate.scaled == settled.tenants.rate.scaled
+
+
 def test_conversation_follows_its_earlier_turns_while_its_tenant_is_there() -> None:
     bs = backends(4)
     policy = PrefixAffinity(AffinityConfig(block_chars=64, queue_slack=0))

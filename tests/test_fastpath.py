@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from proxy.fastpath import _Exchange
+from proxy.prefix import prefix_key
 from tests.conftest import MODEL, Servers, eventually, sim_of
 from tests.support import held, sim_faults
 
@@ -222,3 +223,26 @@ def test_drain_waits_for_a_body_still_arriving(servers: Servers, tmp_path: Path)
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_pick_is_counted_once_the_request_is_sent(servers: Servers) -> None:
+    """prefix_affinity's bookkeeping (load and tenant counts, the index entry) waits until the
+    request is written to the replica, then runs in the same callback: while the replica holds
+    the request, the policy already knows where its prefix is."""
+    sim = servers.sim()
+    proxy = servers.proxy_for(sim, routing={"policy": "prefix_affinity"})
+    warm(proxy, [sim])
+    policy = proxy.server.config.app.runtime.profile.policy
+    system = "You are the settling assistant. " * 40
+    chat = {"model": MODEL, "max_tokens": 4,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+    pin, chain, _ = prefix_key(True, chat, MODEL, policy._block_chars, policy._max_blocks)
+    assert chain and policy.index.longest(chain) == (0, None) and pin not in policy.tenants.rate.scaled
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with held(sim.url):
+            pending = pool.submit(httpx.post, proxy.url + CHAT, json=chat, timeout=30)
+            assert eventually(lambda: len(in_callbacks(proxy)) == 1)
+            assert policy._due is None  # settled while the replica holds it
+            assert policy.index.longest(chain) == (len(chain), "gpu-0")
+            assert pin in policy.tenants.rate.scaled
+        assert pending.result().status_code == 200

@@ -13,7 +13,7 @@ pick (scorers and picker, or a single proposing plugin such as prefix_affinity);
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from proxy.errors import ProxyError
 from proxy.routing.backends import Backend
@@ -109,6 +109,11 @@ class Scheduler:
         self.done_all = tuple(h for h in hooks if not h.adapter_only and _overrides(h, "after_response"))
         self.done_adapter = tuple(h for h in hooks if _overrides(h, "after_response"))
         self._plain = not self._before_all and not self._after_all  # no hook before or after a plain pick
+        # the policy's synchronous pick whose bookkeeping waits for `settle` (prefix_affinity's),
+        # looked up on its class: a wrapper (tracing) has none and is awaited as usual
+        self._now_of: object = None
+        self._pick_now: Callable[..., tuple[Backend, str]] | None = None
+        self._settle: Callable[[], None] | None = None
 
     async def schedule(self, route: Route, request: "ParsedRequest", trusted_only: bool = False,
                        tried: Sequence[Backend] | None = None) -> Lease:
@@ -165,16 +170,32 @@ class Scheduler:
         candidates = self._candidates(route, lease, self._usual)
         if not candidates:
             return None
-        pick = self.policy.pick(candidates, request, route)
-        try:
-            pick.send(None)
-        except StopIteration as done:
-            backend, reason = done.value
-        else:  # (a plugin's pick that awaits: abandoned before it counted anything, as a cancelled one)
-            pick.close()
-            return None
+        policy = self.policy
+        if policy is not self._now_of:
+            self._now_of = policy
+            self._pick_now = getattr(policy, "pick_now", None) if hasattr(type(policy), "pick_now") else None
+            self._settle = getattr(policy, "settle", None) if self._pick_now is not None else None
+        pick_now = self._pick_now
+        if pick_now is not None:
+            backend, reason = pick_now(candidates, request, route)
+        else:
+            pick = policy.pick(candidates, request, route)
+            try:
+                pick.send(None)
+            except StopIteration as done:
+                backend, reason = done.value
+            else:  # (a plugin's pick that awaits: abandoned before it counted anything, as a cancelled one)
+                pick.close()
+                return None
         lease.acquire(backend, reason)
         return lease
+
+    def settle(self) -> None:
+        """The bookkeeping of the decision `schedule_now` made, if its policy left any: the data
+        path calls this once the request is on its way to the replica."""
+        settle = self._settle
+        if settle is not None:
+            settle()
 
     def lease(self, route: Route, backend: Backend, reason: str, request: "ParsedRequest | None" = None) -> Lease:
         """A lease on a replica chosen outside the profile (a Responses API continuation must go

@@ -76,6 +76,12 @@ class PrefixAffinity:
         # skip comparing names while the candidates are the same objects
         self._fleets: dict[str, tuple[str, ...]] = {}
         self._where: dict[str, tuple[tuple[Backend, ...], dict[str, int]]] = {}
+        # the last decision's bookkeeping, until `settle` (`pick_now`); `_due` None: nothing due
+        self._due: Backend | None = None
+        self._due_pin = 0
+        self._due_now = 0.0
+        self._due_returning = False
+        self._due_chain: tuple[int, ...] = ()
         if shared is not None:
             shared.local_tenants = lambda wall: self.tenants.requests(self.view.clock)
 
@@ -116,6 +122,18 @@ class PrefixAffinity:
 
     # -- the decision --------------------------------------------------------------------------------
     async def pick(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
+        chosen = self.pick_now(candidates, request, route)
+        if self._due is not None:
+            self.settle()
+        return chosen
+
+    def pick_now(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
+        """The decision, its bookkeeping (the tenant's and the replica's counts, the index entry)
+        left for `settle`: the data path sends the request first and settles then (Scheduler.settle),
+        so at one request at a time that work overlaps the replica's instead of preceding it. What a
+        decision left is settled before the next one decides."""
+        if self._due is not None:
+            self.settle()
         endpoint = request.endpoint
         if endpoint != CHAT and endpoint != _COMPLETIONS:
             return min(candidates, key=self.load), "least-loaded"
@@ -151,9 +169,32 @@ class PrefixAffinity:
                 reason = "balance"
                 if entry is not None and chosen.name not in entry[0] and self.balance.settled(route.name, pin):
                     self.placement.overflowed(pin, entry[0], chosen.name, len(candidates), now)
-        name = chosen.name
+        self._due = chosen
+        self._due_pin = pin
+        self._due_now = now
+        self._due_returning = returning
+        self._due_chain = chain
+        if chain:
+            coalescer = self.coalescer
+            known = match[0] >= pin_blocks and match[1] == chosen.name
+            # (no call while nothing is being computed and this request will not lead)
+            if coalescer is not None and pin_blocks and (coalescer.warming or not known and request.stream):
+                leader = coalescer.check(pin, chosen.name, known, request)
+                if leader is not None:  # (awaited by the data path, counted in flight: not here)
+                    request.wait_for = partial(coalescer.follow, leader)
+        return chosen, reason
+
+    def settle(self) -> None:
+        """Count the last decision (`pick_now`): on its replica's load, in its tenant's rates, and
+        its prompt's blocks in the index (and the shared mirror)."""
+        chosen = self._due
+        if chosen is None:
+            return
+        self._due = None
+        name, now, chain = chosen.name, self._due_now, self._due_chain
         self.view.count(name, now)
-        tenants.note(pin, now, returning)
+        tenants = self.tenants
+        tenants.note(self._due_pin, now, self._due_returning)
         if len(tenants.rate.scaled) > self.table.forget_at:
             self.table.forget(now)
         if chain:
@@ -161,18 +202,11 @@ class PrefixAffinity:
             # when a tenant's prompt left it (proxy/routing/affinity/placement.py: `_off_slower`)
             limit = 0
             if chosen.load_factor > 1.0 and chosen.cache_tokens:
-                limit = chosen.cache_tokens * CHARS_PER_TOKEN * _INDEXED_TENTHS // (10 * block_chars)
+                limit = chosen.cache_tokens * CHARS_PER_TOKEN * _INDEXED_TENTHS // (10 * self._block_chars)
             stale = self.index.record(chain, name, self._monotonic(), self._shared_ttl_s, limit)
+            shared = self.shared
             if shared is not None and stale:
                 shared.remember(stale, name)
-            coalescer = self.coalescer
-            known = match[0] >= pin_blocks and match[1] == name
-            # (no call while nothing is being computed and this request will not lead)
-            if coalescer is not None and pin_blocks and (coalescer.warming or not known and request.stream):
-                leader = coalescer.check(pin, name, known, request)
-                if leader is not None:  # (awaited by the data path, counted in flight: not here)
-                    request.wait_for = partial(coalescer.follow, leader)
-        return chosen, reason
 
     def _positions(self, route: str, candidates: Sequence[Backend], now: float) -> dict[str, int]:
         """Replica name -> position in `candidates`; notes a change of the route's replicas."""

@@ -69,7 +69,10 @@ def start(rt: Runtime, cycle: LeanCycle, endpoint: str, started: float) -> bool:
             lease.__exit__(None, None, None)
             cycle.finish_unanswered()
             cycle.detach()
-    rt.scheduler.settle()  # the pick's bookkeeping, now that the request is on its way
+    # the pick's bookkeeping once the request is written (at one request at a time it overlaps
+    # the replica's work), or now if it is not to be written in this turn's pass
+    if not rt.upstream.pool.after_writes(rt.scheduler.settle):
+        rt.scheduler.settle()
     return True
 
 

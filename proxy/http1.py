@@ -360,16 +360,29 @@ class Pool:
         self._idle: dict[tuple, list[_Connection]] = {}
         self._ssl: Optional[ssl.SSLContext] = None
         self._unsent: list[_Connection] = []  # started this turn, written by `_write_all`
+        self._after: list[Callable[[], None]] = []  # run by `_write_all` once it has written them
 
     def _queue(self, conn: _Connection) -> None:
         if not self._unsent:
             conn.loop.call_soon(self._write_all)
         self._unsent.append(conn)
 
+    def after_writes(self, callback: Callable[[], None]) -> bool:
+        """Run `callback` right after this turn's write pass: work that can wait until the
+        requests are on their way (the pick's bookkeeping). False: no pass is pending."""
+        if not self._unsent:
+            return False
+        self._after.append(callback)
+        return True
+
     def _write_all(self) -> None:
         batch, self._unsent = self._unsent, []
         for conn in batch:
             conn._write()
+        if self._after:
+            after, self._after = self._after, []
+            for callback in after:
+                callback()
 
     def _put(self, conn: _Connection) -> None:
         conn.response = None

@@ -298,10 +298,12 @@ async def test_requests_started_in_one_turn_are_written_together_after_it() -> N
         for conn in conns:
             conn.transport = _Recording(conn.transport, log)
         deadline = asyncio.get_running_loop().time() + WAIT
+        assert not pool.after_writes(lambda: log.append("early"))  # no pass pending: the caller runs it
         first, second = (conn.start(REQUEST + BODY, WAIT, deadline) for conn in list(conns))
+        assert pool.after_writes(lambda: log.append("after the pass"))  # (the pick's bookkeeping)
         assert log == []  # nothing written while the turn routes
         await asyncio.sleep(0)
-        assert log == [REQUEST + BODY] * 2
+        assert log == [REQUEST + BODY] * 2 + ["after the pass"]
         for resp in (first, second):
             while not resp.done:
                 await resp._wait(WAIT, "no answer")

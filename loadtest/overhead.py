@@ -3,9 +3,9 @@
 Every contender forwards to the same fake vLLM backend on loopback (`--backend fast`, the
 default: loadtest.fast_backend, a raw protocol that isolates the forwarder's own cost; or
 `--backend asgi`: loadtest.asgi_backend on uvicorn, as costly as a Python server) and is loaded
-with wrk. Contenders run interleaved (round r: each scenario, each
-contender), so drift of a shared 2-core machine hits all of them alike; the table shows the
-median over rounds. A cell with any socket error or non-2xx answer is flagged '!' and gets
+with wrk. Contenders run interleaved (round r: each scenario, each contender, their order
+rotated by one each round), so drift of a shared 2-core machine hits all of them alike; the
+table shows the median over rounds. A cell with any socket error or non-2xx answer is flagged '!' and gets
 no ratio: a contender that errors must not look fast.
 
 `proxy` is the production configuration: the default policy (prefix_affinity), shared state in
@@ -244,8 +244,16 @@ class Bench:
                 for _, stream, conns in SCENARIOS:
                     self.wrk(c, stream, conns, self.args.warmup)
         for rnd in range(self.args.rounds):
+            # each round starts the contenders at the next one (`direct` stays first, the
+            # reference): with a fixed order the contender right after `direct` (~100k requests a
+            # second through the backend) was the slowest in 3 of 5 rounds; rotated, the cell in
+            # that position was often a contender's lowest, whichever it was (docs/BENCHMARKS.md)
+            first = [c for c in contenders if c.name == "direct"]
+            others = [c for c in contenders if c.name != "direct"]
+            shift = rnd % len(others) if others else 0
+            order = first + others[shift:] + others[:shift]
             for scen, stream, conns in SCENARIOS:
-                for c in contenders:
+                for c in order:
                     r = self.wrk(c, stream, conns, self.args.duration)
                     c.results.setdefault(scen, []).append(r)
                     flag = f" ERRORS={r['errors']}" if r["errors"] else ""

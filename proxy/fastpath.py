@@ -71,8 +71,9 @@ def start(rt: Runtime, cycle: LeanCycle, endpoint: str, started: float) -> bool:
             cycle.detach()
     # the pick's bookkeeping once the request is written (at one request at a time it overlaps
     # the replica's work), or now if it is not to be written in this turn's pass
-    if not rt.upstream.pool.after_writes(rt.scheduler.settle):
-        rt.scheduler.settle()
+    scheduler = rt.scheduler
+    if scheduler.settles and not rt.upstream.pool.after_writes(scheduler.settle):
+        scheduler.settle()
     return True
 
 

@@ -114,6 +114,7 @@ class Scheduler:
         self._now_of: object = None
         self._pick_now: Callable[..., tuple[Backend, str]] | None = None
         self._settle: Callable[[], None] | None = None
+        self.settles = False  # the policy leaves its bookkeeping to `settle` (known after a first `schedule_now`)
 
     async def schedule(self, route: Route, request: "ParsedRequest", trusted_only: bool = False,
                        tried: Sequence[Backend] | None = None) -> Lease:
@@ -175,6 +176,7 @@ class Scheduler:
             self._now_of = policy
             self._pick_now = getattr(policy, "pick_now", None) if hasattr(type(policy), "pick_now") else None
             self._settle = getattr(policy, "settle", None) if self._pick_now is not None else None
+            self.settles = self._settle is not None
         pick_now = self._pick_now
         if pick_now is not None:
             backend, reason = pick_now(candidates, request, route)

@@ -71,9 +71,9 @@ def start(rt: Runtime, cycle: LeanCycle, endpoint: str, started: float) -> bool:
             cycle.detach()
     # the pick's bookkeeping once the request is written (at one request at a time it overlaps
     # the replica's work), or now if it is not to be written in this turn's pass
-    scheduler = rt.scheduler
-    if scheduler.settles and not rt.upstream.pool.after_writes(scheduler.settle):
-        scheduler.settle()
+    settle = rt.scheduler.settle
+    if settle is not None and not rt.upstream.pool.after_writes(settle):
+        settle()
     return True
 
 

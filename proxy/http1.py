@@ -372,7 +372,9 @@ class Pool:
         requests are on their way (the pick's bookkeeping). False: no pass is pending."""
         if not self._unsent:
             return False
-        self._after.append(callback)
+        after = self._after
+        if not after or after[-1] is not callback:  # (every request of a turn passes the same one)
+            after.append(callback)
         return True
 
     def _write_all(self) -> None:

@@ -113,8 +113,9 @@ class Scheduler:
         # looked up on its class: a wrapper (tracing) has none and is awaited as usual
         self._now_of: object = None
         self._pick_now: Callable[..., tuple[Backend, str]] | None = None
-        self._settle: Callable[[], None] | None = None
-        self.settles = False  # the policy leaves its bookkeeping to `settle` (known after a first `schedule_now`)
+        # that policy's `settle`: the bookkeeping `schedule_now` left, which the data path runs once
+        # the request is on its way to the replica (None: nothing is ever left)
+        self.settle: Callable[[], None] | None = None
 
     async def schedule(self, route: Route, request: "ParsedRequest", trusted_only: bool = False,
                        tried: Sequence[Backend] | None = None) -> Lease:
@@ -175,8 +176,7 @@ class Scheduler:
         if policy is not self._now_of:
             self._now_of = policy
             self._pick_now = getattr(policy, "pick_now", None) if hasattr(type(policy), "pick_now") else None
-            self._settle = getattr(policy, "settle", None) if self._pick_now is not None else None
-            self.settles = self._settle is not None
+            self.settle = getattr(policy, "settle", None) if self._pick_now is not None else None
         pick_now = self._pick_now
         if pick_now is not None:
             backend, reason = pick_now(candidates, request, route)
@@ -191,13 +191,6 @@ class Scheduler:
                 return None
         lease.acquire(backend, reason)
         return lease
-
-    def settle(self) -> None:
-        """The bookkeeping of the decision `schedule_now` made, if its policy left any: the data
-        path calls this once the request is on its way to the replica."""
-        settle = self._settle
-        if settle is not None:
-            settle()
 
     def lease(self, route: Route, backend: Backend, reason: str, request: "ParsedRequest | None" = None) -> Lease:
         """A lease on a replica chosen outside the profile (a Responses API continuation must go

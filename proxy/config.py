@@ -305,7 +305,7 @@ class AffinityConfig(Strict):
     )
     speed_balance: float = Field(
         0.35, ge=0, le=1, description="a replica that decodes k times slower than the fastest (its scraped inter-token "
-        "latency; 1.5x or more on two scrapes in a row, else replicas count alike) counts 1 + speed_balance x (k - 1) per request in the load "
+        "latency, each reading over 2 s or more; 1.5x or more on two readings in a row, else replicas count alike) counts 1 + speed_balance x (k - 1) per request in the load "
         "bound, the balance guard and the packing repair (proxy/routing/speed.py): 1 gives it 1/k of a share, 0 "
         "turns this off. Needs the replicas' /metrics (metrics.scrape_backends)"
     )

@@ -9,8 +9,9 @@ them per backend (labels: the backend's configured name only):
 - `Backend.cache_tokens` (for prefix_affinity's packing) <- vllm:cache_config_info labels
   num_gpu_blocks x block_size (summed over engines)
 - `Backend.itl_s` (for prefix_affinity's balance by speed, proxy/routing/speed.py) <- delta
-  vllm:inter_token_latency_seconds_sum / delta _count between two scrapes (legacy:
-  vllm:time_per_output_token_seconds): the replica's own decode step time, whoever sent its load
+  vllm:inter_token_latency_seconds_sum / delta _count over at least _MIN_SPAN_S and _MIN_TOKENS
+  (legacy: vllm:time_per_output_token_seconds): the replica's own decode step time, whoever sent
+  its load
 - `vllm_proxy_backend_load_factor` <- how many times slower it decodes than the fastest (speed.py)
 - `vllm_proxy_backend_prefix_cache_hit_ratio` <- delta vllm:prefix_cache_hits / delta
   vllm:prefix_cache_queries between two scrapes (legacy: vllm:gpu_prefix_cache_hits/queries,
@@ -27,6 +28,7 @@ import asyncio
 import logging
 import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,6 +56,13 @@ CACHE_CONFIG = b"vllm:cache_config_info"
 _LABEL = re.compile(rb'(\w+)="([^"]*)"')
 WANTED = WAITING | KV_USAGE | QUERIES | HITS | HIT_RATE | ITL_SUM | ITL_COUNT
 _MIN_TOKENS = 64  # tokens between two scrapes for a decode-time reading (fewer: keep the last)
+# ... and seconds: a reading over a shorter span measures the machine's moment, not the replica.
+# Five identical simulated replicas on a loaded 2-core machine (loadtest.affinity_drift, 3 proxies
+# at 10x the rate, scraped every 0.2 s): the slowest read >= 1.5x the fastest in 14 % of 0.2 s
+# spans, 1 % of 1 s spans, none of 2 s or longer; the 0.2 s readings made them "slower" by turns
+# (21-41 changes of load factor a run), placement avoided those and the balance guard capped them
+# by speed: 0.963 of the pooled bound in the join phase against 0.971-0.983 without
+_MIN_SPAN_S = 2.0
 
 
 @dataclass
@@ -118,7 +127,7 @@ def parse_vllm_metrics(text: bytes) -> Reading:
 
 
 class _Previous:
-    __slots__ = ("queries", "hits", "ratio", "itl_sum", "itl_count", "itl")
+    __slots__ = ("queries", "hits", "ratio", "itl_sum", "itl_count", "itl", "itl_at")
 
     def __init__(self) -> None:
         self.queries: float | None = None
@@ -127,6 +136,7 @@ class _Previous:
         self.itl_sum: float | None = None
         self.itl_count: float | None = None
         self.itl: float | None = None
+        self.itl_at = 0.0  # monotonic time of the scrape the current decode-time span starts at
 
 
 def hit_ratio(prev: _Previous, reading: Reading) -> float | None:
@@ -143,21 +153,22 @@ def hit_ratio(prev: _Previous, reading: Reading) -> float | None:
     return ratio
 
 
-def decode_time(prev: _Previous, reading: Reading) -> float | None:
-    """Mean inter-token latency (s) since the previous scrape (updates `prev`): the last reading
-    while fewer than _MIN_TOKENS were generated, None before two scrapes or after a restart."""
+def decode_time(prev: _Previous, reading: Reading, now: float) -> float | None:
+    """Mean inter-token latency (s) since the scrape the current span started at (updates `prev`;
+    `now`: monotonic seconds): the last reading while the span is shorter than _MIN_SPAN_S or fewer
+    than _MIN_TOKENS were generated, None before the first span or after a restart."""
     s, c = reading.itl_sum, reading.itl_count
     if s is None or c is None:
         prev.itl_sum = prev.itl_count = prev.itl = None
         return None
     if prev.itl_count is None or c < prev.itl_count or s < prev.itl_sum:
         prev.itl = None  # first scrape, or the backend restarted: no interval yet
-    elif c - prev.itl_count >= _MIN_TOKENS:
+    elif c - prev.itl_count >= _MIN_TOKENS and now - prev.itl_at >= _MIN_SPAN_S:
         itl = (s - prev.itl_sum) / (c - prev.itl_count)
         prev.itl = itl if 0.0 < itl < math.inf else None  # (a replica reporting infinities tells nothing)
     else:
-        return prev.itl  # too few tokens to tell: keep the last reading and its start
-    prev.itl_sum, prev.itl_count = s, c
+        return prev.itl  # too short a span to tell: keep the last reading and its start
+    prev.itl_sum, prev.itl_count, prev.itl_at = s, c, now
     return prev.itl
 
 
@@ -196,7 +207,7 @@ class BackendScraper:
             backend.cache_tokens = reading.cache_tokens
         prev = self._previous.setdefault(name, _Previous())
         ratio = hit_ratio(prev, reading)
-        backend.itl_s = decode_time(prev, reading)
+        backend.itl_s = decode_time(prev, reading, time.monotonic())
         for family, value in ((m.backend_waiting, reading.waiting), (m.backend_kv_usage, reading.kv_usage),
                               (m.backend_hit_ratio, ratio)):
             if value is not None:

@@ -13,7 +13,7 @@ from proxy.routing.affinity.balance import Balance
 from proxy.routing.affinity.repair import slower_held
 from proxy.routing.backends import Backend
 from proxy.routing.clock import ManualClock
-from proxy.scrape import Reading, _Previous, decode_time, parse_vllm_metrics
+from proxy.scrape import _MIN_SPAN_S, Reading, _Previous, decode_time, parse_vllm_metrics
 from tests.conftest import Servers, eventually
 from tests.test_metrics import gauge
 from tests.test_affinity import backends, chat_request, chats, pick, tenant
@@ -33,14 +33,17 @@ def test_decode_time_is_the_mean_between_two_scrapes() -> None:
                                 b'vllm:time_per_output_token_seconds_count{model_name="m"} 40\n')
     assert (legacy.itl_sum, legacy.itl_count) == (2.0, 40)
     prev = _Previous()
-    assert decode_time(prev, Reading(itl_sum=1.5, itl_count=100)) is None  # one scrape: no interval yet
-    assert abs(decode_time(prev, Reading(itl_sum=3.5, itl_count=200)) - 0.02) < 1e-12
-    assert abs(decode_time(prev, Reading(itl_sum=3.6, itl_count=205)) - 0.02) < 1e-12  # too few tokens: the last
-    assert abs(decode_time(prev, Reading(itl_sum=4.6, itl_count=300)) - 1.1 / 100) < 1e-12  # since 200, not 205
-    assert decode_time(prev, Reading(itl_sum=0.1, itl_count=10)) is None  # restarted
-    assert decode_time(prev, Reading()) is None  # no such metric
-    assert decode_time(prev, Reading(itl_sum=1.0, itl_count=100)) is None
-    assert decode_time(prev, Reading(itl_sum=float("inf"), itl_count=200)) is None  # a broken replica's answer
+    assert decode_time(prev, Reading(itl_sum=1.5, itl_count=100), 0.0) is None  # one scrape: no interval yet
+    assert abs(decode_time(prev, Reading(itl_sum=3.5, itl_count=200), 5.0) - 0.02) < 1e-12
+    assert abs(decode_time(prev, Reading(itl_sum=3.6, itl_count=205), 10.0) - 0.02) < 1e-12  # too few tokens: the last
+    assert abs(decode_time(prev, Reading(itl_sum=4.6, itl_count=300), 15.0) - 1.1 / 100) < 1e-12  # since 200, not 205
+    # a span shorter than _MIN_SPAN_S is the machine's moment: the last reading until the span is long enough
+    assert abs(decode_time(prev, Reading(itl_sum=9.6, itl_count=400), 15.0 + _MIN_SPAN_S / 2) - 0.011) < 1e-12
+    assert abs(decode_time(prev, Reading(itl_sum=9.6, itl_count=500), 15.0 + _MIN_SPAN_S) - 5.0 / 200) < 1e-12
+    assert decode_time(prev, Reading(itl_sum=0.1, itl_count=10), 30.0) is None  # restarted
+    assert decode_time(prev, Reading(), 35.0) is None  # no such metric
+    assert decode_time(prev, Reading(itl_sum=1.0, itl_count=100), 40.0) is None
+    assert decode_time(prev, Reading(itl_sum=float("inf"), itl_count=200), 45.0) is None  # a broken replica's answer
     assert parse_vllm_metrics(b'vllm:inter_token_latency_seconds_sum{model_name="m"} +Inf\n').itl_sum == float("inf")
 
 
@@ -59,16 +62,17 @@ def test_only_a_marked_lasting_difference_counts_and_it_holds_until_back_within_
     assert update(0.010, 0.0105, 0.010, 0.010) == [1.0] * 4
     assert update(0.010, 0.0105, 0.014, 0.020) == [1.0] * 4
     assert Backend.speed_version == before
-    assert update(0.010, 0.0105, 0.014, 0.019) == [1.0, 1.0, 1.0, 2.0]  # twice in a row: slow (in quarters)
+    assert update(0.010, 0.0105, 0.014, 0.020) == [1.0] * 4  # the same reading again (its span not over): once
+    assert update(0.010, 0.0105, 0.014, 0.019) == [1.0, 1.0, 1.0, 2.0]  # two readings in a row: slow (in quarters)
     assert Backend.speed_version > before
     assert update(0.010, 0.010, 0.010, 0.0135) == [1.0, 1.0, 1.0, 1.25]  # 1.35x: still slow, by less
     assert update(0.010, 0.010, 0.010, 0.012) == [1.0, 1.0, 1.0, 1.25]  # within 1.3x once: not yet alike
-    assert update(0.010, 0.010, 0.010, 0.012) == [1.0] * 4
+    assert update(0.010, 0.010, 0.010, 0.0121) == [1.0] * 4
     bs[3].healthy = False  # a replica that is down is no measure of the others, and counts 1
     assert update(0.010, None, 0.010, 0.5) == [1.0] * 4
     bs[3].healthy = True
     update(0.010, 0.010, 0.010, 1.0)
-    assert update(0.010, 0.010, 0.010, 1.0)[3] == 4.0  # at most
+    assert update(0.010, 0.010, 0.010, 0.9)[3] == 4.0  # at most
 
 
 @pytest.mark.parametrize("strength", [0.5, 1.0])

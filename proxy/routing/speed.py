@@ -28,7 +28,7 @@ log = logging.getLogger("vllm_proxy.routing")
 
 _SLOW = 1.5
 _SAME = 1.3
-_CONFIRM = 2  # scrape rounds in a row a replica must look slower (or alike again) before it counts so
+_CONFIRM = 2  # readings (proxy/scrape.py: each over 2 s or more) in a row a replica must look slower (or alike again) before it counts so
 _MAX = 4.0
 
 
@@ -56,11 +56,13 @@ def factor(ratio: float, current: float) -> float:
 
 class Speeds:
     """The load factors of one fleet, set after each scrape round (`update`). Entering or leaving
-    the slow state takes _CONFIRM rounds in a row: one reading over a busy moment (a stalled
-    process, a burst of long contexts) is no speed."""
+    the slow state takes _CONFIRM readings in a row: one reading over a busy moment (a stalled
+    process, a burst of long contexts) is no speed. A round that brings no new reading of a
+    replica (its span is still short: proxy/scrape.py) neither confirms nor breaks its streak."""
 
     def __init__(self) -> None:
-        self._streak: dict[str, int] = {}  # backend -> rounds in a row it looked slow / alike against its state
+        self._streak: dict[str, int] = {}  # backend -> readings in a row it looked slow / alike against its state
+        self._counted: dict[str, float | None] = {}  # backend -> the reading its streak counted last
 
     def update(self, backends: Iterable[Backend]) -> None:
         """Set each backend's `load_factor` from the latest decode times; `Backend.speed_version`
@@ -76,10 +78,14 @@ class Speeds:
                 ratio = b.itl_s / fastest if fastest and b.healthy and b.itl_s else 1.0
                 new = factor(ratio, b.load_factor) if b.healthy else 1.0
                 if (new > 1.0) != (b.load_factor > 1.0) and b.healthy:  # a change of state: confirm it
+                    if self._counted.get(b.name) == b.itl_s:
+                        continue  # the reading it already counted
+                    self._counted[b.name] = b.itl_s
                     streak = self._streak[b.name] = self._streak.get(b.name, 0) + 1
                     if streak < _CONFIRM:
                         continue
                 self._streak.pop(b.name, None)
+                self._counted.pop(b.name, None)
                 if new != b.load_factor:
                     log.info("replica %s decodes %.2fx slower than the fastest: one request counts %.2f in the "
                              "balance", b.name, ratio, new)

@@ -971,3 +971,34 @@ def test_a_new_tenant_is_placed_where_the_guard_would_not_cap_its_first_request(
     name, reason = pick(policy, bs, chat_request(newcomer, "first question"))
     assert reason != "balance" and name != home.name
     assert policy.pins[pin][0] == (name,)
+
+
+def test_with_several_proxies_a_newcomer_goes_where_the_others_newcomers_of_the_moment_likely_did_not() -> None:
+    """When a population changes, every proxy places its share of the newcomers within the same
+    milliseconds, before it sees the others' choices: deciding on the same counts, each stacked
+    its newcomers where one proxy alone would have put a few. So for a moment each of this
+    proxy's placements counts for the others' too (`TenantTable.herd`), and no longer after it."""
+
+    def newcomers(proxies: float, count: int, then_s: float = 0.0) -> list[str]:
+        bs = backends(4)
+        clock = ManualClock()
+        policy = PrefixAffinity(AffinityConfig(), timer=clock)
+        for i, name in enumerate(["gpu-1", "gpu-1", "gpu-2", "gpu-2", "gpu-3", "gpu-3"]):  # gpu-0 holds none
+            policy.store.set(pin_of(f"a tenant of the last population {i} " * 40), (name,))
+        for b in bs:  # of late every replica took as much traffic
+            for _ in range(100):
+                policy.view.count(b.name, policy.clock)
+        out = []
+        for k in range(count):
+            policy.view.proxies = proxies
+            out.append(pick(policy, bs, chat_request(f"newcomer {k} " * 40, "first question"))[0])
+            clock.advance(1e-3)
+        clock.advance(then_s)
+        policy.view.proxies = proxies
+        out.append(pick(policy, bs, chat_request("a later newcomer " * 40, "first question"))[0])
+        return out
+
+    assert newcomers(1.0, 2)[:2] == ["gpu-0", "gpu-0"]  # one proxy evens the counts out
+    burst = newcomers(3.0, 2)
+    assert burst[0] == "gpu-0" and burst[1] != "gpu-0"  # three: its first stands for three
+    assert newcomers(3.0, 1, then_s=1.0)[1] == "gpu-0"  # a moment later the others' placements are known

@@ -196,6 +196,7 @@ class Placement:
             for backend in candidates:
                 if backend.name in members:
                     return backend, "pinned"
+        self.table.note_placed(chosen.name)
         return chosen, "pinned"
 
     def _change(self, candidates: Sequence[Backend], pin: int, chosen: Backend, now: float) -> tuple[Backend, str]:

@@ -41,6 +41,10 @@ def ranked(
         ramped = dict(counts)
         load.ramp(candidates, [float(ramped.get(b.name, 0)) for b in candidates], load.clock, ramped)
         counts = ramped
+    if table.placed:  # and with several proxies, the newcomers they are likely placing beside this one's
+        herd = table.herd(load.proxies)
+        if herd:
+            counts = {name: counts.get(name, 0) + herd.get(name, 0.0) for name in set(counts) | set(herd)}
     held = sum(counts.get(b.name, 0) for b in candidates)
     mean_count = (held + n) / n
     # cache room: no replica takes more than its share of tenants' prompts (rounded up)

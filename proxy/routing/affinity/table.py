@@ -4,6 +4,7 @@ from, and the active tenants per replica (cached: counting walks the whole table
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Callable, Sequence
 
 from proxy.config import AffinityConfig
@@ -12,6 +13,11 @@ from proxy.routing.affinity.store import TenantStore
 from proxy.routing.affinity.tenants import TenantStats
 
 CHARS_PER_TOKEN = 4  # to size a system prompt (pin blocks x block_chars) in cache tokens
+# a placement reaches the other proxies' mirrors in ~1 ms (proxy/shared.py: flushed at once, read
+# from the stream); until well after that, this proxy's own placements stand for the others' of the
+# same moment too (`TenantTable.herd`). Far below the gap between newcomers outside a burst
+_HERD_S = 0.05
+_HERD_MAX = 64
 
 
 class TenantTable:
@@ -33,6 +39,9 @@ class TenantTable:
         self._version: tuple = ()
         self._recount_at = 0.0
         self._wall = wall
+        # (replica, wall time) of the tenants this proxy placed within the last _HERD_S: placed
+        # before the other proxies' placements of the same moment reached this one (`herd`)
+        self.placed: deque[tuple[str, float]] = deque()
 
     def set(self, pin: int, members: Sequence[str], now: float) -> None:
         self.epoch += 1
@@ -79,6 +88,31 @@ class TenantTable:
             self._counts, self._version = counts, version
             self._recount_at = now + max(self.config.rebalance_every_requests / 4, len(pins) / 64)
         return self._counts
+
+    def note_placed(self, name: str) -> None:
+        """This proxy placed a new tenant on `name` (`herd`)."""
+        placed = self.placed
+        placed.append((name, self._wall()))
+        if len(placed) > _HERD_MAX:
+            placed.popleft()
+
+    def herd(self, proxies: float) -> dict[str, float]:
+        """The tenants the other proxies are likely placing beside this one's latest placements,
+        per replica: (proxies - 1) for each tenant this proxy placed in the last _HERD_S. When a
+        population changes, every proxy places its share of the newcomers within the same
+        milliseconds, before any sees the others' choices (a placement reaches them in ~1 ms);
+        deciding on the same counts, each stacked its newcomers on the same replica (three
+        proxies: up to 8 of the first 13 newcomers on one replica of five, where one proxy placed
+        3-4 there). Counted so, this proxy's next newcomer goes where the fleet's likely did not."""
+        placed = self.placed
+        old = self._wall() - _HERD_S
+        while placed and placed[0][1] < old:
+            placed.popleft()
+        out: dict[str, float] = {}
+        if proxies > 1.5:
+            for name, _ in placed:
+                out[name] = out.get(name, 0.0) + proxies - 1.0
+        return out
 
     def forget(self, now: float) -> None:
         """Bound the per-tenant tables, which grow with every distinct system prompt a client

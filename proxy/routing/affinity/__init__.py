@@ -31,8 +31,10 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    placement by its counts (skipping a first choice other proxies had filled meanwhile moved a
    tenant whose first request had already computed its prompt where this proxy placed it: the
    prompt was cached twice and that conversation stranded; with three proxies that cost 1-1.5 %
-   of prefix hits in every phase with new tenants); what proxies placing at once stack on one
-   replica is the balance guard's and the packing repair's to even out. When Redis is down, known
+   of prefix hits in every phase with new tenants). Proxies placing at once decide on the same
+   counts, so each counts its own placements of the last 50 ms for the others' of the same moment
+   too (`TenantTable.herd`); what they still stack on one replica is the balance guard's and the
+   packing repair's to even out. When Redis is down, known
    tenants keep their mirrored sets and unknown ones fall back to rendezvous order (stateless
    agreement); without Redis at all, this process's table is the authority.
 5. Placement is online bin packing with two limits, traffic (the bound) and cache room (the

@@ -104,14 +104,15 @@ class TenantTable:
         deciding on the same counts, each stacked its newcomers on the same replica (three
         proxies: up to 8 of the first 13 newcomers on one replica of five, where one proxy placed
         3-4 there). Counted so, this proxy's next newcomer goes where the fleet's likely did not."""
+        out: dict[str, float] = {}
+        if proxies <= 1.5:  # (one proxy: its own counts are the fleet's)
+            return out
         placed = self.placed
         old = self._wall() - _HERD_S
         while placed and placed[0][1] < old:
             placed.popleft()
-        out: dict[str, float] = {}
-        if proxies > 1.5:
-            for name, _ in placed:
-                out[name] = out.get(name, 0.0) + proxies - 1.0
+        for name, _ in placed:
+            out[name] = out.get(name, 0.0) + proxies - 1.0
         return out
 
     def forget(self, now: float) -> None:

@@ -68,6 +68,10 @@ def test_only_a_marked_lasting_difference_counts_and_it_holds_until_back_within_
     assert update(0.010, 0.010, 0.010, 0.0135) == [1.0, 1.0, 1.0, 1.25]  # 1.35x: still slow, by less
     assert update(0.010, 0.010, 0.010, 0.012) == [1.0, 1.0, 1.0, 1.25]  # within 1.3x once: not yet alike
     assert update(0.010, 0.010, 0.010, 0.0121) == [1.0] * 4
+    update(0.010, 0.010, 0.010, 0.019)
+    assert update(0.010, 0.010, 0.010, 0.0191) == [1.0, 1.0, 1.0, 2.0]
+    assert update(0.010, 0.010, 0.010, None) == [1.0, 1.0, 1.0, 2.0]  # no reading (restarted): alike on the
+    assert update(0.010, 0.010, 0.010, None) == [1.0] * 4  # second round without one, as on two alike readings
     bs[3].healthy = False  # a replica that is down is no measure of the others, and counts 1
     assert update(0.010, None, 0.010, 0.5) == [1.0] * 4
     bs[3].healthy = True

@@ -78,8 +78,8 @@ class Speeds:
                 ratio = b.itl_s / fastest if fastest and b.healthy and b.itl_s else 1.0
                 new = factor(ratio, b.load_factor) if b.healthy else 1.0
                 if (new > 1.0) != (b.load_factor > 1.0) and b.healthy:  # a change of state: confirm it
-                    if self._counted.get(b.name) == b.itl_s:
-                        continue  # the reading it already counted
+                    if b.itl_s is not None and self._counted.get(b.name) == b.itl_s:
+                        continue  # the reading it already counted (no reading at all counts each round)
                     self._counted[b.name] = b.itl_s
                     streak = self._streak[b.name] = self._streak.get(b.name, 0) + 1
                     if streak < _CONFIRM:

@@ -8,8 +8,11 @@ keys or headers.
 
 Cost: with `logging.access_log: false` the request path makes one `is None` test. When on,
 a request that the logger level or the sampling drops costs a level check and a random draw;
-a written line costs a bytes format of its varying fields and a list append (~2 us in all;
-lines are batched into few writes, see LineWriter). Token counts come from a bounded regex
+a written line costs a tuple of its fields appended to the writer's batch, formatted with the
+batch when it is written (see LineWriter). Formatted one by one as requests ended, each line
+cost ~5 us in the server against ~2 us in a loop (the formatting code and data are cold between
+requests): 11-12 % of the production configuration's throughput at c=32, against 5-6 % deferred
+(`python -m loadtest.overhead`; docs/BENCHMARKS.md). Token counts come from a bounded regex
 search at the `"usage"` key of the body (non-streaming) or of the last data chunk (streaming,
 when the client asked for `stream_options.include_usage`); nothing else of the response is
 looked at.
@@ -111,6 +114,47 @@ _LINE = (b'{"ts":%.3f,"request_id":%s%s%d%s%s,"duration_ms":%.3f,"overhead_ms":%
          b'"completion_tokens":%s%s')
 
 
+def _format(fields: tuple) -> bytes:
+    """One access-log line from the fields `AccessLog.write` took (see _LINE). The fields that
+    repeat from request to request (endpoint, deployment, backend, route, stream, key, worker)
+    are serialized once per combination, the rest formatted in place: a third of the cost of
+    dumping a fresh dict for every line."""
+    (ts, request_id, endpoint, deployment, backend, route, status, stream, duration_s, ttft_s, overhead_s,
+     tokens, key, worker) = fields
+    fixed = (endpoint, deployment, backend, route, stream, key, worker)
+    parts = _FRAGMENTS.get(fixed)
+    if parts is None:
+        parts = _fragments(fixed)
+    prompt_tokens, completion_tokens = tokens
+    return _LINE % (
+        ts, orjson.dumps(request_id), parts[0], int(status), parts[1],
+        b"null" if ttft_s is None else b"%.3f" % (ttft_s * 1000.0), duration_s * 1000.0,
+        b"null" if overhead_s is None else b"%.3f" % (overhead_s * 1000.0),
+        b"null" if prompt_tokens is None else b"%d" % prompt_tokens,
+        b"null" if completion_tokens is None else b"%d" % completion_tokens, parts[2],
+    )
+
+
+_FRAGMENTS: dict[tuple, tuple[bytes, bytes, bytes]] = {}
+
+
+def _fragments(fixed: tuple) -> tuple[bytes, bytes, bytes]:
+    endpoint, deployment, backend, route, stream, key, worker = fixed
+    if len(_FRAGMENTS) >= _FIXED_MAX:  # (bounded: keys and deployments are configured, but be safe)
+        _FRAGMENTS.clear()
+    dumps = orjson.dumps
+    parts = _FRAGMENTS[fixed] = (
+        b',"endpoint":%s,"deployment":%s,"backend":%s,"route":%s,"status":'
+        % (dumps(endpoint), dumps(deployment), dumps(backend), dumps(route)),
+        b',"stream":%s,"ttft_ms":' % dumps(stream),
+        b',"key":%s,"worker":%d}\n' % (dumps(key), worker),
+    )
+    return parts
+
+
+_FIELDS_SIZE = 320  # bytes a line of fields is counted as toward a batch before it is formatted
+
+
 class LineWriter(logging.Handler):
     """The access log's own handler: each record's message as one line on a file descriptor
     (stdout, or a file opened for appending).
@@ -118,8 +162,9 @@ class LineWriter(logging.Handler):
     Lines are batched into writes ending on a line boundary, of at most PIPE_BUF bytes to a pipe or
     a terminal, so that lines of several workers sharing one pipe never interleave (a regular file
     takes 64 KiB at a time: Linux writes each write to it whole, and fewer writes cost less); a
-    batch goes out when it is full or within 0.1 s of its first line (or at exit). `line()` is the fast path AccessLog uses while this is
-    the logger's only handler: no LogRecord, no per-line system call."""
+    batch goes out when it is full or within 0.1 s of its first line (or at exit). `fields()` is
+    the fast path AccessLog uses while this is the logger's only handler: no LogRecord, no
+    per-line system call, and the line formatted with its batch (`_format`)."""
 
     BATCH = 4096  # PIPE_BUF on Linux: a write this size to a pipe is atomic
     FILE_BATCH = 65536
@@ -133,7 +178,7 @@ class LineWriter(logging.Handler):
                 self.BATCH = self.FILE_BATCH
         except OSError:
             pass
-        self.pending: list[bytes] = []
+        self.pending: list[bytes | tuple] = []  # lines, or fields of lines (`_format`)
         self.size = 0
         self.timer_loop: asyncio.AbstractEventLoop | None = None  # the loop whose flush timer is pending
         self.timer_thread = 0  # the thread that loop runs in
@@ -147,9 +192,16 @@ class LineWriter(logging.Handler):
             self.handleError(record)
 
     def line(self, data: bytes) -> None:
+        self._add(data, len(data))
+
+    def fields(self, fields: tuple) -> None:
+        """An access-log line, formatted when its batch is written."""
+        self._add(fields, _FIELDS_SIZE)
+
+    def _add(self, entry: bytes | tuple, size: int) -> None:
         with self.mutex:
-            self.pending.append(data)
-            self.size += len(data)
+            self.pending.append(entry)
+            self.size += size
             if self.size < self.BATCH - 512:
                 # A timer of this thread's running loop is pending: it writes this line too. (Asked
                 # without asyncio.get_running_loop(), a getpid() system call on Python < 3.12: a
@@ -178,7 +230,16 @@ class LineWriter(logging.Handler):
 
     def flush(self) -> None:
         with self.mutex:
-            lines, self.pending, self.size = self.pending, [], 0
+            pending, self.pending, self.size = self.pending, [], 0
+        lines: list[bytes] = []
+        for entry in pending:
+            if isinstance(entry, bytes):
+                lines.append(entry)
+            else:
+                try:
+                    lines.append(_format(entry))
+                except Exception:  # (one bad field loses its line, not the batch)
+                    logging.getLogger("vllm_proxy").debug("access-log line dropped", exc_info=True)
         start = size = 0
         for i, data in enumerate(lines):  # writes of at most BATCH bytes, each ending on a line
             if size and size + len(data) > self.BATCH:
@@ -214,7 +275,6 @@ class AccessLog:
         self.sample = config.sample
         self.writer = install_handler(config.file)
         self.worker = worker_id()
-        self._fixed: dict[tuple, tuple[bytes, bytes, bytes]] = {}
         self._enabled: dict[int, bool] = getattr(log, "_cache", {})  # level -> enabled (CPython 3.7+)
 
     def wanted(self) -> bool:
@@ -233,37 +293,10 @@ class AccessLog:
         stream: bool, duration_s: float, ttft_s: float | None = None, overhead_s: float | None = None,
         tokens: tuple[int | None, int | None] = (None, None), key: str | None = None,
     ) -> None:
-        # One JSON object (times in ms to 3 decimals, ts in s) built from fragments: the fields
-        # that repeat from request to request (endpoint, deployment, backend, route, stream, key,
-        # worker) are serialized once per combination, the rest formatted in place: a third of
-        # the cost of dumping a fresh dict for every line.
-        fixed = (endpoint, deployment, backend, route, stream, key)
-        parts = self._fixed.get(fixed)
-        if parts is None:
-            parts = self._fragments(fixed)
-        prompt_tokens, completion_tokens = tokens
-        line = _LINE % (
-            time.time(), orjson.dumps(request_id), parts[0], int(status), parts[1],
-            b"null" if ttft_s is None else b"%.3f" % (ttft_s * 1000.0), duration_s * 1000.0,
-            b"null" if overhead_s is None else b"%.3f" % (overhead_s * 1000.0),
-            b"null" if prompt_tokens is None else b"%d" % prompt_tokens,
-            b"null" if completion_tokens is None else b"%d" % completion_tokens, parts[2],
-        )
+        fields = (time.time(), request_id, endpoint, deployment, backend, route, status, stream, duration_s, ttft_s,
+                  overhead_s, tokens, key, self.worker)
         handlers = log.handlers
         if len(handlers) == 1 and handlers[0] is self.writer and not log.filters and not log.disabled:
-            self.writer.line(line)  # our handler alone: skip building a LogRecord
+            self.writer.fields(fields)  # our handler alone: no LogRecord, the line formatted with its batch
         else:  # makeRecord + handle: what log.log() does, without its stack walk for the caller
-            log.handle(log.makeRecord(LOGGER, self.level, "", 0, line[:-1].decode(), (), None))
-
-    def _fragments(self, fixed: tuple) -> tuple[bytes, bytes, bytes]:
-        endpoint, deployment, backend, route, stream, key = fixed
-        if len(self._fixed) >= _FIXED_MAX:  # (bounded: keys and deployments are configured, but be safe)
-            self._fixed.clear()
-        dumps = orjson.dumps
-        parts = self._fixed[fixed] = (
-            b',"endpoint":%s,"deployment":%s,"backend":%s,"route":%s,"status":'
-            % (dumps(endpoint), dumps(deployment), dumps(backend), dumps(route)),
-            b',"stream":%s,"ttft_ms":' % dumps(stream),
-            b',"key":%s,"worker":%d}\n' % (dumps(key), self.worker),
-        )
-        return parts
+            log.handle(log.makeRecord(LOGGER, self.level, "", 0, _format(fields)[:-1].decode(), (), None))

@@ -535,7 +535,8 @@ class RedisConfig(Strict):
     sync_interval_s: float = Field(0.1, gt=0, description="load view publish/read period while no request is routed")
     busy_sync_interval_s: float = Field(
         0.02, gt=0, description="the same (and the prefix entries' send period) while requests are routed: what the "
-        "other proxies see is this much old, so at a higher request rate it lags by fewer requests"
+        "other proxies see is this much old, so at a higher request rate it lags by fewer requests. A proxy that sees "
+        "no other for 2 s uses 5x this (at most sync_interval_s): nobody reads its view"
     )
     max_connections: int = Field(
         16, ge=2, description="Redis connections per proxy process for the background sync (plus one following the "

@@ -20,6 +20,14 @@ changes it (`place`, `grow`, `set_pin`, `remember`), synchronously. Behind it:
 - a **sync** loop publishes this proxy's per-replica in-flight counts, smoothed routed counts
   and busiest tenants a few times a second, and reads everyone else's.
 
+Both go at `busy_sync_interval_s` while requests are routed and another proxy shares the state.
+A proxy that has seen no other for `_ALONE_AFTER_S` (none of their load entries, balance
+windows or stream entries) goes at `_ALONE_ROUNDS` times that (at most `sync_interval_s`):
+nobody reads its view, and the rounds cost a single proxy at c=32 ~5 % of its throughput
+(`python -m loadtest.overhead`, docs/BENCHMARKS.md). A proxy that joins is seen at its first
+sync (it publishes its load at once) and, alone until it sees the others, reads them at its
+first sync too.
+
 On (re)connect a proxy writes back the placements Redis lacks (a Redis restarted empty gets
 the fleet's table back), then reads the whole table once and follows the stream from before
 that read. Slow or absent Redis therefore never delays a request: routing goes on from the
@@ -74,6 +82,8 @@ _READ_COUNT = 500  # stream entries per read
 _OPS_BATCH = 500  # placement operations per script call
 _MIRROR_BLOCKS = 262144  # prefix entries mirrored (an LRU): enough for every replica's cache
 _EXPIRE_EVERY_S = 10.0  # how often expired placements are dropped
+_ALONE_AFTER_S = 2.0  # no other proxy seen for this long: this one is alone...
+_ALONE_ROUNDS = 5.0  # ... and syncs and flushes this many busy intervals apart
 
 # One batch of changes, atomically, then one stream entry naming what changed. ARGV: proxy id,
 # stamp, stream max length, index entries (JSON or ''), prompts being computed (JSON or '',
@@ -198,6 +208,8 @@ class SharedState:
         # proxies' view lags by what this proxy routes in that time, so the busier, the shorter
         self.busy_interval = min(busy_sync_interval_s, sync_interval_s)
         self.busy = False  # a request was routed since the last load sync (the policy sets it)
+        self.alone_interval = min(self.busy_interval * _ALONE_ROUNDS, max(sync_interval_s, self.busy_interval))
+        self.peers_at = -math.inf  # monotonic time another proxy's entry was last read (`alone`)
         self.local_load = local_load
         self.on_status = on_status
         self.proxy_id = f"{os.uname().nodename}:{os.getpid()}:{id(self):x}"
@@ -311,6 +323,10 @@ class SharedState:
     def _queue(self, pin: int, op: tuple[str, ...]) -> None:
         self._ops[pin] = op
         self._wake.set()
+
+    def interval(self) -> float:
+        """The busy period of the sync and the flusher: longer while no other proxy is seen."""
+        return self.alone_interval if time.monotonic() - self.peers_at > _ALONE_AFTER_S else self.busy_interval
 
     # -- background calls (never on the request path) -------------------------------------------
     async def lease(self, name: str, seconds: float) -> bool:
@@ -426,7 +442,7 @@ class SharedState:
                 continue
             # the next round: after the busy interval once a request is routed, else the sync interval
             quiet_until = time.monotonic() + self.sync_interval
-            await asyncio.sleep(self.busy_interval)
+            await asyncio.sleep(self.interval())
             while not self.busy and time.monotonic() < quiet_until and not self._closing:
                 await asyncio.sleep(self.busy_interval)
 
@@ -467,7 +483,7 @@ class SharedState:
         """Send queued changes: placement operations at once, index entries every busy interval."""
         while not self._closing:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.busy_interval)
+                await asyncio.wait_for(self._wake.wait(), self.interval())
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
@@ -530,6 +546,8 @@ class SharedState:
                 continue
             for _, entries in found or ():
                 for entry_id, fields in entries:
+                    if fields.get("p") != self.proxy_id:
+                        self.peers_at = time.monotonic()
                     self._apply(fields)
                     self._set_cursor(entry_id)
 
@@ -660,6 +678,7 @@ class SharedState:
                 continue
             self._guard_read[field] = (value, parsed)
             if age <= fresh:
+                self.peers_at = time.monotonic()
                 key = (route, names)
                 total, by = out.get(key, (0, {}))[:2]
                 for name, n in zip(names, counts):
@@ -737,6 +756,7 @@ class SharedState:
             if age > 5.0:
                 stale.append(field)
             elif proxy != self.proxy_id and age <= max(1.0, 10 * self.sync_interval):
+                self.peers_at = time.monotonic()
                 totals[backend] = totals.get(backend, 0) + n
                 rates[backend] = rates.get(backend, 0.0) + r * math.exp(-max(age, 0.0) / tau)
         if stale:

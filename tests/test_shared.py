@@ -193,6 +193,37 @@ def test_a_busy_proxy_shares_its_load_at_the_busy_interval(redis_url: str) -> No
     asyncio.run(scenario())
 
 
+def test_a_proxy_alone_syncs_at_a_longer_interval_until_another_shares_the_state(redis_url: str) -> None:
+    """Nobody reads the view of a proxy that is alone: its busy rounds (load sync, index flush)
+    go five busy intervals apart, at most sync_interval_s. Another proxy's load entries bring
+    both back to the busy interval as soon as each reads the other's."""
+    async def scenario() -> None:
+        a = SharedState(redis_url, local_load=lambda: {"gpu-0": 0}, sync_interval_s=60.0, busy_sync_interval_s=0.01)
+        a.start()
+        b = None
+        try:
+            await until(lambda: a.up)
+            a.busy = True
+            await until(lambda: not a.busy)  # a sync round ran: no other proxy's entry in it
+            assert a.interval() == 0.05
+            b = SharedState(redis_url, local_load=lambda: {"gpu-0": 1}, sync_interval_s=60.0,
+                            busy_sync_interval_s=0.01)
+            b.start()
+
+            def both_see_each_other() -> bool:
+                a.busy = b.busy = True
+                return a.interval() == b.interval() == 0.01
+
+            await until(both_see_each_other)
+            assert a.remote_load == {"gpu-0": 1} and b.remote_load == {"gpu-0": 0}
+        finally:
+            for s in (a, b):
+                if s is not None:
+                    await s.stop()
+
+    asyncio.run(scenario())
+
+
 def test_the_balance_guard_counts_every_proxys_decisions_and_shares_overflows(redis_url: str) -> None:
     """Each proxy's balance guard caps a replica by the whole fleet's window (its own decisions
     plus the others' as last published), not by its own third of the traffic, whose chance

@@ -11,7 +11,7 @@ a request that the logger level or the sampling drops costs a level check and a 
 a written line costs a tuple of its fields appended to the writer's batch, formatted with the
 batch when it is written (see LineWriter). Formatted one by one as requests ended, each line
 cost ~5 us in the server against ~2 us in a loop (the formatting code and data are cold between
-requests): 11-12 % of the production configuration's throughput at c=32, against 5-6 % deferred
+requests): 11-12 % of the production configuration's throughput at c=32, against 4-7 % deferred
 (`python -m loadtest.overhead`; docs/BENCHMARKS.md). Token counts come from a bounded regex
 search at the `"usage"` key of the body (non-streaming) or of the last data chunk (streaming,
 when the client asked for `stream_options.include_usage`); nothing else of the response is

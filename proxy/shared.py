@@ -208,7 +208,7 @@ class SharedState:
         # proxies' view lags by what this proxy routes in that time, so the busier, the shorter
         self.busy_interval = min(busy_sync_interval_s, sync_interval_s)
         self.busy = False  # a request was routed since the last load sync (the policy sets it)
-        self.alone_interval = min(self.busy_interval * _ALONE_ROUNDS, max(sync_interval_s, self.busy_interval))
+        self.alone_interval = min(self.busy_interval * _ALONE_ROUNDS, sync_interval_s)  # (busy_interval <= it)
         self.peers_at = -math.inf  # monotonic time another proxy's entry was last read (`alone`)
         self.local_load = local_load
         self.on_status = on_status

@@ -53,6 +53,7 @@ MODULES = (
     "proxy.routing.scheduler",
     "proxy.fastpath",
     "proxy.cycle",
+    "proxy.intake",
     "proxy.inference",
     "proxy.metrics",
 )

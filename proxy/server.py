@@ -10,6 +10,8 @@ one write (head and body), headers are trusted (the proxy builds them), and the 
 disconnect cancels the request task directly (`scope[DISCONNECT].arm()`, see proxy/inference.py). The task
 starts only once the body is complete: a plain request may be served without one, in callbacks
 (the app's `serve_in_callbacks`, proxy/fastpath.py), with `LeanCycle.respond` writing its answer.
+The reads and the parser callbacks go to the connection's `Intake` (proxy/intake.py, compiled),
+which starts these cycles and hands every other request to uvicorn's (`generic_*` below).
 
 Everything else (other paths, pipelined requests, `Expect: 100-continue`, upgrades, keep-alive,
 flow control, graceful shutdown) stays uvicorn's. Use it with `uvicorn.Config(http=ProxyProtocol)`
@@ -35,20 +37,17 @@ import logging
 import resource
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from proxy.cycle import LeanCycle
 from proxy.errors import ProxyError
+from proxy.intake import BODY, HEAD, LINGER, REST, Intake
 
 log = logging.getLogger("vllm_proxy")
 
-LEAN_PATHS = frozenset(
-    p.encode() for p in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                         "/chat/completions", "/completions", "/embeddings")
-)
-_feed = HttpToolsProtocol.data_received  # called directly: super() costs per read
 
 
 # uvicorn options the lean cycle cannot honour (it bypasses the code that applies them), with
@@ -68,7 +67,6 @@ def refuse_unsupported(config: Any) -> None:
         )
 
 
-_HEAD, _BODY, _REST, _LINGER = range(4)  # reading a head, a body; neither (app or keep-alive); refused
 _LINGER_S = 2.0  # after a refusal, read and discard this long so the client sees the answer, not a reset
 # Requests parsed ahead of the one being answered. uvicorn queues every request a read holds (a
 # 256 KiB read of `GET /health` is 10 000 of them, ~17 MB) and reads on after each answer, so one
@@ -121,18 +119,21 @@ class ProxyProtocol(HttpToolsProtocol):
         if limits is not None:
             for name, value in zip(self._LIMITS, limits):
                 setattr(self, name, value)
+        # the parser reports to the compiled intake, and uvloop hands it the reads (it takes the
+        # protocol's `data_received` when the transport is made, after this)
+        if "draining" not in vars(self.server_state):  # (proxy/drain.py sets it; the intake reads it)
+            self.server_state.draining = False  # type: ignore[attr-defined]
+        self.intake = Intake(self, self.max_headers, self.max_header_bytes)
+        self.parser = self.intake.parser = httptools.HttpRequestParser(self.intake)
+        self.data_received = self.intake.data_received  # type: ignore[method-assign]
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._phase = _HEAD  # an idle new connection waits for a head: the header timeout applies
-        self._since = self.loop.time()  # when the head began, or the body last made progress (0: not yet)
-        self._head_bytes = 0  # received since the current head began (>= its size, bounded by one read)
+        self.intake.connected(in_callbacks_hook(self.app))
         self._refusal: tuple[int, str, str] | None = None
         self._unsent = 0  # the write buffer's size at the last tick, while the client left it unread
         self._unsent_since = 0.0  # since when (0: the client is reading, or nothing is pending)
-        self._idle_since = 0.0  # when the last answer completed, while the connection idles (0: it does not)
         self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
-        self._in_callbacks = in_callbacks_hook(self.app)
         if len(self.connections) > self._shed_threshold():
             self._shed()
 
@@ -158,11 +159,12 @@ class ProxyProtocol(HttpToolsProtocol):
 
     def _idle_for(self, now: float) -> float:
         """How long this connection has held its slot without a request making progress."""
-        phase = self._phase
-        if phase == _HEAD or phase == _BODY:
-            return now - self._since if self._since else 0.0
-        if phase == _REST and self._idle_since:
-            return now - self._idle_since
+        intake = self.intake
+        phase = intake.phase
+        if phase == HEAD or phase == BODY:
+            return now - intake.since if intake.since else 0.0
+        if phase == REST and intake.idle_since:
+            return now - intake.idle_since
         return 0.0
 
     def _tick_s(self) -> float:
@@ -176,18 +178,19 @@ class ProxyProtocol(HttpToolsProtocol):
             if self._unsent:  # a close waits for the client to read the rest: bounded by the send timeout
                 self._watch = self.loop.call_later(self._tick_s(), self._watchdog)
             return
-        phase = self._phase
-        waited = self.loop.time() - self._since
-        if phase == _HEAD and waited > self.header_timeout_s:
-            if self._head_bytes:
-                self._refuse(408, "The request head was not received in time.", "request_timeout")
+        intake = self.intake
+        phase = intake.phase
+        waited = self.loop.time() - intake.since
+        if phase == HEAD and waited > self.header_timeout_s:
+            if intake.head_bytes:
+                self.refuse(408, "The request head was not received in time.", "request_timeout")
             else:
                 self.transport.close()  # an idle connection: nothing to answer
             return
-        if phase == _BODY and waited > self.body_timeout_s:
-            self._refuse(408, "The request body stalled.", "request_timeout")
+        if phase == BODY and waited > self.body_timeout_s:
+            self.refuse(408, "The request body stalled.", "request_timeout")
             return
-        if phase == _REST and self._idle_since and self.loop.time() - self._idle_since > self.timeout_keep_alive:
+        if phase == REST and intake.idle_since and self.loop.time() - intake.idle_since > self.timeout_keep_alive:
             # idle past the keep-alive timeout (within a tick of it); the ticks go on, as a close
             # waits for the client to read the rest (bounded by the send timeout)
             self.transport.close()
@@ -211,7 +214,7 @@ class ProxyProtocol(HttpToolsProtocol):
         self._unsent_since = 0.0  # the client read down to the low-water mark
         super().resume_writing()
 
-    def _refuse(self, status: int, message: str, code: str) -> None:
+    def refuse(self, status: int, message: str, code: str) -> None:
         """Answer `status` with an error envelope and close (the request is not read further). A
         request whose app already answered in part is only cut off; one whose app still waits for
         the body (a malformed chunk after a valid head) sees a disconnect and we answer for it."""
@@ -230,7 +233,7 @@ class ProxyProtocol(HttpToolsProtocol):
         self.transport.write(b"".join(head) + body)
         # Lingering close (as nginx): closing with unread request bytes would send a reset that can
         # destroy the answer in flight; half-close, discard what still comes, close soon after.
-        self._phase = _LINGER
+        self.intake.phase = LINGER
         try:
             self.transport.write_eof()
         except (NotImplementedError, AttributeError, RuntimeError, OSError):
@@ -241,39 +244,28 @@ class ProxyProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         refusal = self._refusal
         if refusal is _PIPELINE_FULL:
-            self._phase = _LINGER  # the rest of what the client sends is discarded
+            self.intake.phase = LINGER  # the rest of what the client sends is discarded
             self.cycle.keep_alive = False  # type: ignore[union-attr] # the last queued answer closes the connection
         elif refusal is not None:
-            self._refuse(*refusal)
+            self.refuse(*refusal)
         else:
-            self._refuse(400, msg, "invalid_http_request")
+            self.refuse(400, msg, "invalid_http_request")
 
-    def data_received(self, data: bytes) -> None:
-        # The common request arrives whole in one read: no clock is read for it. The clock starts
-        # only for a head or body that a read leaves incomplete.
-        self._idle_since = 0.0  # (whatever arrives ends an idle spell, as uvicorn's timer did)
-        phase = self._phase
-        if phase == _REST:  # the next head begins (with its first byte, even a CRLF llhttp skips)
-            self._phase = phase = _HEAD
-            self._head_bytes = 0
-            self._since = 0.0
-        elif phase == _BODY:
-            self._since = self.loop.time()
-        elif phase == _LINGER:
-            return
-        if phase == _HEAD:
-            self._head_bytes += len(data)
-        _feed(self, data)
-        if self.lean is not None and self.lean.size > HIGH_WATER_LIMIT:
-            self.start_pending()  # a large body, reading paused: the task reads the rest (bounded)
-        phase = self._phase
-        if phase != _REST:
-            if not self._since:
-                self._since = self.loop.time()
-            if phase == _HEAD and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
-                self._refuse(431, f"Request header fields exceed {self.max_header_bytes} bytes.", "headers_too_large")
+    def feed_failed(self, exc: Exception) -> None:
+        """What uvicorn's data_received does when the parser raises (the intake's feed_data)."""
+        if isinstance(exc, httptools.HttpParserError):  # (a refusal raised in a callback too)
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        elif isinstance(exc, httptools.HttpParserUpgrade):
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        else:
+            raise exc
 
-    def _refuse_head(self) -> None:
+    def refuse_head(self) -> None:
         """Header count and size limits, checked in on_headers_complete (raises _Refused)."""
         if len(self.headers) > self.max_headers:
             self._refusal = (431, f"More than {self.max_headers} request header fields.", "headers_too_large")
@@ -304,8 +296,8 @@ class ProxyProtocol(HttpToolsProtocol):
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
-        elif self._phase == _REST:  # (not when the next head has begun: it is no idle connection)
-            self._idle_since = self.loop.time()
+        elif self.intake.phase == REST:  # (not when the next head has begun: it is no idle connection)
+            self.intake.idle_since = self.loop.time()
 
     def connection_lost(self, exc: Exception | None) -> None:
         watch = getattr(self, "_watch", None)
@@ -319,56 +311,20 @@ class ProxyProtocol(HttpToolsProtocol):
             lean.set()
         super().connection_lost(exc)
 
-    def on_headers_complete(self) -> None:
-        if len(self.headers) > self.max_headers or self._head_bytes > self.max_header_bytes:
-            self._refuse_head()
-        self._phase = _BODY
-        self._since = 0.0
-        cycle = self.cycle
-        if (
-            self.url in LEAN_PATHS
-            and self.parser.get_method() == b"POST"
-            and not self.expect_100_continue
-            and (cycle is None or cycle.response_complete)
-            and not self.parser.should_upgrade()
-        ):
-            self._start_lean()
-        else:
-            if len(self.pipeline) >= MAX_PIPELINED:
-                self._refusal = _PIPELINE_FULL
-                raise _Refused
-            upgrade = self.parser.should_upgrade()
-            if upgrade:
-                self._refuse_upgrade()
-            super().on_headers_complete()
-            if upgrade and self.cycle is not None:
-                self.cycle.keep_alive = False  # the parser stops at an upgrade: nothing after it is read
-        if getattr(self.server_state, "draining", False) and self.cycle is not None:
-            self.cycle.keep_alive = False  # draining (proxy/drain.py): clients reconnect elsewhere
+    # uvicorn's cycle, for every request but the inference POSTs (the intake calls these)
+    generic_on_body = HttpToolsProtocol.on_body
+    generic_on_message_complete = HttpToolsProtocol.on_message_complete
 
-    def _start_lean(self) -> None:
-        version = self.parser.get_http_version()
-        scope = self.scope
-        scope["method"] = "POST"
-        scope["path"] = self.url.decode("ascii")
-        scope["raw_path"] = self.url
-        scope["query_string"] = b""
-        if version != "1.1":
-            scope["http_version"] = version
-        # Its task starts once the body is complete, or at once for a declared body larger than
-        # HIGH_WATER_LIMIT, or once more than that is buffered of a chunked one (reading pauses; the
-        # task reads on, within the body limit, or refuses it before reading). A plain request may
-        # be served in callbacks instead (`ProxyApp.serve_in_callbacks`, proxy/fastpath.py). Until
-        # then the body timeout bounds a stall, and a client that leaves leaves nothing to cancel.
-        self.cycle = self.lean = cycle = LeanCycle(self, scope, version != "1.0" and self.parser.should_keep_alive())
-        if getattr(self.server_state, "draining", False):
-            cycle.spawn(self.app)  # draining (proxy/drain.py) waits for tasks: this is one from its start
-            return
-        for name, value in self.headers:
-            if name == b"content-length":
-                if not value.isdigit() or int(value) > HIGH_WATER_LIMIT:
-                    cycle.spawn(self.app)  # a large body: the task refuses it early or reads it bounded
-                break
+    def generic_headers_complete(self) -> None:
+        if len(self.pipeline) >= MAX_PIPELINED:
+            self._refusal = _PIPELINE_FULL
+            raise _Refused
+        upgrade = self.parser.should_upgrade()
+        if upgrade:
+            self._refuse_upgrade()
+        super().on_headers_complete()
+        if upgrade and self.cycle is not None:
+            self.cycle.keep_alive = False  # the parser stops at an upgrade: nothing after it is read
 
     def start_pending(self) -> None:
         """A request whose body is still arriving gets its task now (the drain waits for tasks)."""
@@ -376,30 +332,3 @@ class ProxyProtocol(HttpToolsProtocol):
         if lean is not None and lean.task is None and not lean.response_complete:
             lean.spawn(self.app)
 
-    def _dispatch(self, cycle: "LeanCycle") -> None:
-        serve = self._in_callbacks
-        if serve is None or not serve(cycle):
-            cycle.spawn(self.app)
-
-    def on_body(self, body: bytes) -> None:
-        cycle = self.cycle
-        if type(cycle) is not LeanCycle:
-            super().on_body(body)
-        elif not cycle.response_complete:
-            cycle.body.append(body)
-            cycle.size += len(body)
-            if cycle.size > HIGH_WATER_LIMIT:
-                self.flow.pause_reading()  # receive() resumes it
-            cycle.wake()
-
-    def on_message_complete(self) -> None:
-        self._phase = _REST
-        cycle = self.cycle
-        if type(cycle) is not LeanCycle:
-            super().on_message_complete()
-        elif not cycle.response_complete:
-            cycle.more_body = False
-            if cycle.task is None:
-                self._dispatch(cycle)
-            else:
-                cycle.wake()

@@ -1,9 +1,9 @@
-"""The uvicorn internals proxy/server.py (and proxy/drain.py) build on, pinned one by one.
+"""The uvicorn internals proxy/server.py (with proxy/intake.py, and proxy/drain.py) build on, pinned one by one.
 
 uvicorn is pinned to one minor version (pyproject.toml); raising the pin means this file passes
 against the new version. Each name below is private API: if uvicorn renames or drops it, the
 lean cycle breaks in ways the other tests may see only as hangs. The last tests check that the
-list is complete (proxy/server.py uses no other inherited name) and that the uvicorn options the
+list is complete (proxy/server.py and proxy/intake.py use no other inherited name) and that the uvicorn options the
 lean cycle cannot honour are refused, not ignored.
 """
 from __future__ import annotations
@@ -24,18 +24,21 @@ from proxy.drain import DrainingServer
 from proxy.server import UNSUPPORTED_OPTIONS, LeanCycle, ProxyProtocol
 
 SERVER_PY = Path(__file__).resolve().parent.parent / "proxy" / "server.py"
+INTAKE_PY = SERVER_PY.with_name("intake.py")
 
-# HttpToolsProtocol attributes ProxyProtocol reads or writes (set by its __init__ or per request)
+# HttpToolsProtocol attributes ProxyProtocol (or its Intake) reads or writes (set by its __init__,
+# connection_made or per request)
 PROTOCOL_ATTRIBUTES = {
-    "app", "config", "connections", "cycle", "expect_100_continue", "flow", "headers", "limit_concurrency", "loop",
-    "parser", "root_path", "scope", "server_state", "tasks", "timeout_keep_alive",
-    "transport", "url", "pipeline",
+    "app", "app_state", "asgi_version", "client", "config", "connections", "cycle", "expect_100_continue", "flow",
+    "headers", "limit_concurrency", "logger", "loop", "parser", "root_path", "scheme", "scope", "server",
+    "server_state", "tasks", "timeout_keep_alive", "transport", "url", "pipeline",
 }
 # HttpToolsProtocol methods ProxyProtocol overrides or calls (drain.py: shutdown)
 PROTOCOL_METHODS = {
-    "connection_made": ["transport"], "connection_lost": ["exc"], "data_received": ["data"],
+    "connection_made": ["transport"], "connection_lost": ["exc"],
     "on_headers_complete": [], "on_body": ["body"], "on_message_complete": [], "send_400_response": ["msg"],
     "on_response_complete": [], "shutdown": [], "resume_writing": [], "_start_asgi_task": ["cycle", "app"],
+    "_should_upgrade": [], "handle_websocket_upgrade": [], "_unsupported_upgrade_warning": [],
 }
 CYCLE_ATTRIBUTES = {"response_complete", "response_started", "disconnected", "message_event", "keep_alive"}
 SERVER_STATE_ATTRIBUTES = {"default_headers", "connections", "tasks", "total_requests"}
@@ -124,8 +127,15 @@ def test_the_list_is_complete() -> None:
             if isinstance(node.ctx, ast.Store):
                 assigned.add(node.attr)
     pinned = PROTOCOL_ATTRIBUTES | set(PROTOCOL_METHODS)
-    own |= assigned - pinned  # per-connection state of our own (_phase, _since, ...)
+    own |= assigned - pinned  # per-connection state of our own (_refusal, _unsent, ...)
     assert sorted(used - own - pinned) == []
+    # the intake reaches the protocol as `p` or `protocol` (or `self.protocol`)
+    via_intake = {node.attr for node in ast.walk(ast.parse(INTAKE_PY.read_text()))
+                  if isinstance(node, ast.Attribute) and (
+                      isinstance(node.value, ast.Name) and node.value.id in ("p", "protocol")
+                      or isinstance(node.value, ast.Attribute) and node.value.attr == "protocol")}
+    assert via_intake >= {"cycle", "server_state", "transport"}  # (the walk finds them)
+    assert sorted(via_intake - own - pinned) == []
 
 
 @pytest.mark.parametrize("option, value", [("limit_concurrency", 10), ("root_path", "/api"), ("reset_contextvars", True)])

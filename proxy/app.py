@@ -4,11 +4,11 @@ the small endpoints (proxy/endpoints.py), and 404 / 405 with `Allow` for every p
 envelopes from one exception handler."""
 from __future__ import annotations
 
+import functools
 import gc
 import hmac
 import logging
 import os
-import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -20,14 +20,12 @@ from proxy import audio, endpoints, fastpath, inference, passthrough, responses
 from proxy.asgi import Receive, Scope, Send, bearer, send_error
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
-from proxy.parse import CHAT, COMPLETIONS, EMBEDDINGS
+from proxy.parse import INFERENCE
 from proxy.reload import ConfigWatcher
 from proxy.runtime import Runtime
 
 log = logging.getLogger("vllm_proxy")
 
-# The Tokios connector and other clients may use a base URL with or without /v1.
-INFERENCE = {p: p for p in (CHAT, COMPLETIONS, EMBEDDINGS)} | {p[3:]: p for p in (CHAT, COMPLETIONS, EMBEDDINGS)}
 GETS = {
     "/v1/models": endpoints.list_models,
     "/models": endpoints.list_models,
@@ -88,6 +86,9 @@ class ProxyApp:
             ProxyError: endpoints.on_error, HTTPException: endpoints.on_error, Exception: endpoints.on_error,
         })
         self.router.router.redirect_slashes = False  # /health/ is a 404, as any unknown path
+        # proxy/intake.py's hook: serve an inference POST whose body is complete without a task
+        # (proxy/fastpath.py); False: run the app for it as usual
+        self.serve_in_callbacks = functools.partial(fastpath.serve_in_callbacks, self)
 
     def routes(self) -> list[BaseRoute]:
         """Every path the proxy serves. The forwarded POSTs (INFERENCE, POSTS) reach their handler
@@ -138,24 +139,6 @@ class ProxyApp:
                 await tracing.serve(self._http, scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
-
-    def serve_in_callbacks(self, cycle) -> bool:
-        """proxy/server.py's hook: serve an inference POST whose body is complete without a task
-        (proxy/fastpath.py). False: run the app for it as usual."""
-        rt = self.runtime
-        if rt.tracing is not None:
-            return False
-        scope = cycle.scope
-        if rt.auth is not None:
-            try:
-                scope["vllm_proxy.client"] = rt.auth.client(scope)
-            except ProxyError:
-                return False  # the usual path answers it
-        try:
-            return fastpath.start(rt, cycle, INFERENCE[scope["path"]], time.perf_counter())
-        except Exception:  # noqa: BLE001 - a bug here must not take the connection's parser down
-            log.exception("serving a request in callbacks failed")
-            return False
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]

@@ -44,11 +44,11 @@ class LeanCycle:
                  "response_complete", "disconnected", "delivered", "task", "armed", "gone", "_waiter", "_started", "_head",
                  "_chunked")
 
-    def __init__(self, protocol: Any, scope: dict, keep_alive: bool) -> None:
+    def __init__(self, protocol: Any, scope: dict, keep_alive: bool, transport: Any, flow: Any) -> None:
         # (Any: the protocol is proxy/server.py's, the others uvloop's or asyncio's; None once detached)
         self.protocol: Any = protocol
-        self.transport: Any = protocol.transport
-        self.flow: Any = protocol.flow
+        self.transport: Any = transport
+        self.flow: Any = flow
         self.scope: Any = scope
         scope[DISCONNECT] = self
         self.body: list[bytes] = []
@@ -258,4 +258,4 @@ class LeanCycle:
         if not self.keep_alive:
             self.transport.close()
         if protocol is not None:
-            protocol.on_response_complete()
+            protocol.intake.response_complete()

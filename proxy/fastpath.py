@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any, Coroutine
 
 from proxy import inference
@@ -29,13 +30,33 @@ from proxy.errors import ProxyError
 from proxy.forward import UpstreamFailure, as_failure, plain_answer
 from proxy.http1 import Response, UpstreamError, body_too_large
 from proxy.inference import Attempt, Call
-from proxy.parse import ParsedRequest
+from proxy.auth import CLIENT
+from proxy.parse import INFERENCE, ParsedRequest
 from proxy.routing.catalog import Route
 from proxy.routing.scheduler import Lease
 from proxy.runtime import Runtime
 from proxy.spec import JSON_BODY
 
 log = logging.getLogger("vllm_proxy")
+
+
+def serve_in_callbacks(app: Any, cycle: LeanCycle) -> bool:
+    """`app.serve_in_callbacks` (proxy/app.py, a ProxyApp's): serve the request of `cycle` (its body
+    complete) without a task when `start` can. False: run the app for it as usual."""
+    rt = app.runtime
+    if rt.tracing is not None:
+        return False
+    scope = cycle.scope
+    if rt.auth is not None:
+        try:
+            scope[CLIENT] = rt.auth.client(scope)
+        except ProxyError:
+            return False  # the usual path answers it
+    try:
+        return start(rt, cycle, INFERENCE[scope["path"]], time.perf_counter())
+    except Exception:  # noqa: BLE001 - a bug here must not take the connection's parser down
+        log.exception("serving a request in callbacks failed")
+        return False
 
 
 def start(rt: Runtime, cycle: LeanCycle, endpoint: str, started: float) -> bool:

@@ -38,7 +38,9 @@ class Intake:
         self.state: Any = protocol.server_state  # (its `draining` is set: ProxyProtocol.__init__)
         self.parser: Any = None  # the connection's httptools parser (the protocol makes it)
         self.loop: Any = protocol.loop
+        self.pipeline: Any = protocol.pipeline  # uvicorn's queue of pipelined requests (a deque)
         self.transport: Any = None  # (set when connected)
+        self.flow: Any = None
         self.in_callbacks: Any = None  # the app's `serve_in_callbacks`, or None (set when connected)
         # what every request's scope has of the connection (set when connected)
         self.asgi_version: Any = protocol.asgi_version
@@ -64,6 +66,7 @@ class Intake:
         self.in_callbacks = in_callbacks
         self.server, self.client, self.scheme = p.server, p.client, p.scheme
         self.transport = p.transport
+        self.flow = p.flow
         self.since = self.loop.time()  # an idle new connection waits for a head: the header timeout applies
 
     def data_received(self, data: bytes) -> None:
@@ -170,7 +173,7 @@ class Intake:
         # task reads on, within the body limit, or refuses it before reading). A plain request may
         # be served in callbacks instead (`ProxyApp.serve_in_callbacks`, proxy/fastpath.py). Until
         # then the body timeout bounds a stall, and a client that leaves leaves nothing to cancel.
-        cycle = LeanCycle(p, scope, version != "1.0" and parser.should_keep_alive())
+        cycle = LeanCycle(p, scope, version != "1.0" and parser.should_keep_alive(), self.transport, self.flow)
         p.cycle = p.lean = cycle
         if self.state.draining:
             cycle.spawn(self.app)  # draining (proxy/drain.py) waits for tasks: this is one from its start
@@ -190,8 +193,24 @@ class Intake:
             cycle.body.append(body)
             cycle.size += len(body)
             if cycle.size > HIGH_WATER_LIMIT:
-                p.flow.pause_reading()  # receive() resumes it
+                self.flow.pause_reading()  # receive() resumes it
             cycle.wake()
+
+    def response_complete(self) -> None:
+        """A response went out whole: uvicorn's on_response_complete, except that an idle
+        connection's keep-alive timeout is the watchdog's (uvicorn arms and cancels a timer a
+        request), and reading resumes only if it had paused."""
+        self.state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        flow = self.flow
+        if flow.read_paused:
+            flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self.protocol._start_asgi_task(cycle, app)
+        elif self.phase == REST:  # (not when the next head has begun: it is no idle connection)
+            self.idle_since = self.loop.time()
 
     def on_message_complete(self) -> None:
         p = self.protocol

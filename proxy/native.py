@@ -54,6 +54,9 @@ MODULES = (
     "proxy.fastpath",
     "proxy.cycle",
     "proxy.intake",
+    "proxy.retry",
+    "proxy.admission",
+    "proxy.outlier",
     "proxy.inference",
     "proxy.metrics",
 )

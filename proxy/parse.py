@@ -14,6 +14,8 @@ from proxy.errors import bad_request
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
+# request path -> endpoint: the Tokios connector and other clients may use a base URL with or without /v1
+INFERENCE = {p: p for p in (CHAT, COMPLETIONS, EMBEDDINGS)} | {p[3:]: p for p in (CHAT, COMPLETIONS, EMBEDDINGS)}
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 
 

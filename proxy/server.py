@@ -287,17 +287,8 @@ class ProxyProtocol(HttpToolsProtocol):
                 raise _Refused
 
     def on_response_complete(self) -> None:
-        """uvicorn's, except that an idle connection's keep-alive timeout is the watchdog's: uvicorn
-        arms and cancels a timer per request (2 % of a request's instructions)."""
-        self.server_state.total_requests += 1
-        if self.transport.is_closing():
-            return
-        self.flow.resume_reading()
-        if self.pipeline:
-            cycle, app = self.pipeline.pop()
-            self._start_asgi_task(cycle, app)
-        elif self.intake.phase == REST:  # (not when the next head has begun: it is no idle connection)
-            self.intake.idle_since = self.loop.time()
+        """(uvicorn's cycles call this; the lean cycle calls the intake's directly)"""
+        self.intake.response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         watch = getattr(self, "_watch", None)

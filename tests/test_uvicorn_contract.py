@@ -42,7 +42,7 @@ PROTOCOL_METHODS = {
 }
 CYCLE_ATTRIBUTES = {"response_complete", "response_started", "disconnected", "message_event", "keep_alive"}
 SERVER_STATE_ATTRIBUTES = {"default_headers", "connections", "tasks", "total_requests"}
-FLOW_ATTRIBUTES = {"pause_reading", "resume_reading", "write_paused", "drain"}
+FLOW_ATTRIBUTES = {"pause_reading", "resume_reading", "read_paused", "write_paused", "drain"}
 SERVER_ATTRIBUTES = {"server_state", "config", "force_exit", "servers", "lifespan", "startup", "shutdown"}
 
 

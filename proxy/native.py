@@ -5,9 +5,11 @@ The routing decision of `prefix_affinity` is a few thousand interpreted bytecode
 no single hotspot: compiled, the same source decides the same way in about half the instructions
 (loadtest.pick_cost). The request's path around it (parse, scheduler, the callback-driven
 exchange and the task path, the upstream client, metrics, the access log) is compiled too: ~19 %
-fewer instructions a request (loadtest.instructions). Not compiled: the server protocol (it
-subclasses uvicorn's and is configured through class attributes), proxy/spec.py (interpreted
-endpoints subclass it), the shared state (background I/O). setup.py compiles these
+fewer instructions a request (loadtest.instructions); so are the server protocol's reads and
+parser callbacks (proxy/intake.py) and the small per-request helpers (retry budget, admission,
+outliers): another ~10 %. Not compiled: the server protocol itself (it subclasses uvicorn's and
+is configured through class attributes), proxy/spec.py and the routing filters (interpreted
+subclasses), the shared state (background I/O). setup.py compiles these
 modules when mypyc is at hand, and the package runs as plain Python when it is not
 (`VLLM_PROXY_COMPILE=0` at build time, or no compiler): both are the same code, so every test
 holds for both (compiled code checks declared types: a declaration must be true, not merely

@@ -25,12 +25,12 @@ import time
 from typing import Any, Coroutine
 
 from proxy import inference
+from proxy.auth import CLIENT
 from proxy.cycle import LeanCycle
 from proxy.errors import ProxyError
 from proxy.forward import UpstreamFailure, as_failure, plain_answer
 from proxy.http1 import Response, UpstreamError, body_too_large
 from proxy.inference import Attempt, Call
-from proxy.auth import CLIENT
 from proxy.parse import INFERENCE, ParsedRequest
 from proxy.routing.catalog import Route
 from proxy.routing.scheduler import Lease

@@ -38,7 +38,6 @@ import resource
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -47,7 +46,6 @@ from proxy.errors import ProxyError
 from proxy.intake import BODY, HEAD, LINGER, REST, Intake
 
 log = logging.getLogger("vllm_proxy")
-
 
 
 # uvicorn options the lean cycle cannot honour (it bypasses the code that applies them), with

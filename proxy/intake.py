@@ -16,11 +16,9 @@ from typing import Any, Final
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 
 from proxy.cycle import LeanCycle
+from proxy.parse import INFERENCE
 
-LEAN_PATHS: Final = frozenset(
-    path.encode() for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                               "/chat/completions", "/completions", "/embeddings")
-)
+LEAN_PATHS: Final = frozenset(path.encode() for path in INFERENCE)  # the inference POSTs' paths
 # reading a head, a body; neither (app or keep-alive); refused
 HEAD: Final = 0
 BODY: Final = 1

@@ -28,27 +28,28 @@ import re
 import stat
 import threading
 import time
+from typing import Final
 
 import orjson
 
 from proxy.config import LoggingConfig
 from proxy.logsetup import worker_id
 
-LOGGER = "vllm_proxy.access"
-log = logging.getLogger(LOGGER)
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+LOGGER: Final = "vllm_proxy.access"
+log: Final = logging.getLogger(LOGGER)
+LEVELS: Final = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 
-_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_USAGE: Final = re.compile(rb'"usage"\s*:\s*\{')
 # chat/completions/embeddings say prompt/completion_tokens; the Responses API input/output_tokens
-_PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
-_COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
-_USAGE_WINDOW = 1024  # bytes after `"usage":{` that may hold the counts
+_PROMPT: Final = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_COMPLETION: Final = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+_USAGE_WINDOW: Final = 1024  # bytes after `"usage":{` that may hold the counts
 # vLLM's compact layout (and OpenAI's), read by hand (`_compact`) on every answer: 2.4 k
 # instructions a request less than one regular expression match (loadtest.instructions, compiled);
 # anything else takes the searches
-_COMPACT_PROMPT = b'"usage":{"prompt_tokens":'
-_COMPACT_TOTAL = b'"total_tokens":'
-_COMPACT_COMPLETION = b'"completion_tokens":'
+_COMPACT_PROMPT: Final = b'"usage":{"prompt_tokens":'
+_COMPACT_TOTAL: Final = b'"total_tokens":'
+_COMPACT_COMPLETION: Final = b'"completion_tokens":'
 
 
 def usage_tokens(buf: bytes | None) -> tuple[int | None, int | None]:
@@ -105,12 +106,12 @@ def _number(buf: bytes, i: int, limit: int) -> tuple[int, int]:
     return value, i
 
 
-_FIXED_MAX = 4096
+_FIXED_MAX: Final = 4096
 
 
 # a line: ts, request id, fixed fields to "status":, status, fixed fields to "ttft_ms":, ttft, duration,
 # overhead, tokens, fixed fields to the end (see AccessLog.write)
-_LINE = (b'{"ts":%.3f,"request_id":%s%s%d%s%s,"duration_ms":%.3f,"overhead_ms":%s,"prompt_tokens":%s,'
+_LINE: Final = (b'{"ts":%.3f,"request_id":%s%s%d%s%s,"duration_ms":%.3f,"overhead_ms":%s,"prompt_tokens":%s,'
          b'"completion_tokens":%s%s')
 
 
@@ -135,7 +136,7 @@ def _format(fields: tuple) -> bytes:
     )
 
 
-_FRAGMENTS: dict[tuple, tuple[bytes, bytes, bytes]] = {}
+_FRAGMENTS: Final[dict[tuple, tuple[bytes, bytes, bytes]]] = {}
 
 
 def _fragments(fixed: tuple) -> tuple[bytes, bytes, bytes]:
@@ -152,7 +153,7 @@ def _fragments(fixed: tuple) -> tuple[bytes, bytes, bytes]:
     return parts
 
 
-_FIELDS_SIZE = 320  # bytes a line of fields is counted as toward a batch before it is formatted
+_FIELDS_SIZE: Final = 320  # bytes a line of fields is counted as toward a batch before it is formatted
 
 
 class LineWriter(logging.Handler):

@@ -1,7 +1,7 @@
 """Tiny raw-ASGI helpers shared by every endpoint (no framework on the hot path)."""
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Final
 
 from proxy.errors import ProxyError
 
@@ -13,7 +13,7 @@ Headers = list[tuple[bytes, bytes]]
 # Scope key set by our own server (proxy/server.py): an object with arm() -> watch (`gone`, `stop()`)
 # that cancels the request task when the client disconnects. Under other ASGI servers the handler
 # watches `receive()` itself.
-DISCONNECT = "vllm_proxy.disconnect"
+DISCONNECT: Final = "vllm_proxy.disconnect"
 
 
 async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes, headers: Headers = ()) -> None:

@@ -9,13 +9,14 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from proxy.asgi import Scope, bearer
 from proxy.config import ApiKey, AuthConfig, ConfigError
 from proxy.errors import ProxyError
 
 log = logging.getLogger("vllm_proxy.auth")
-CLIENT = "vllm_proxy.client"  # scope key: the authenticated Client
+CLIENT: Final = "vllm_proxy.client"  # scope key: the authenticated Client
 
 
 def digest(key: str) -> bytes:

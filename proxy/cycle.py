@@ -9,20 +9,22 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from typing import Any
+from typing import Any, Final
 
-from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+from uvicorn.protocols.http import flow_control, httptools_impl
 
 from proxy.asgi import DISCONNECT
 from proxy.errors import ProxyError
 
-log = logging.getLogger("vllm_proxy")
+log: Final = logging.getLogger("vllm_proxy")
+# uvicorn's, bound once: compiled, a Final name is a static, an imported one a dict lookup at each use
+HIGH_WATER_LIMIT: Final = flow_control.HIGH_WATER_LIMIT
+STATUS_LINE: Final = httptools_impl.STATUS_LINE
 
-_DISCONNECT_MESSAGE = {"type": "http.disconnect"}
-_INTERNAL = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
-_SHUTTING_DOWN = ProxyError(503, "The proxy is shutting down; retry the request.", code="proxy_shutting_down",
-                            type="service_unavailable")
+_DISCONNECT_MESSAGE: Final = {"type": "http.disconnect"}
+_INTERNAL: Final = ProxyError(500, "Internal proxy error.", code="internal_error", type="server_error")
+_SHUTTING_DOWN: Final = ProxyError(503, "The proxy is shutting down; retry the request.", code="proxy_shutting_down",
+                                   type="service_unavailable")
 
 
 def cancel(task: Any, msg: Any = None) -> None:

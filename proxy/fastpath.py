@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Coroutine
+from typing import Any, Coroutine, Final
 
 from proxy import inference
 from proxy.auth import CLIENT
@@ -37,7 +37,7 @@ from proxy.routing.scheduler import Lease
 from proxy.runtime import Runtime
 from proxy.spec import JSON_BODY
 
-log = logging.getLogger("vllm_proxy")
+log: Final = logging.getLogger("vllm_proxy")
 
 
 def serve_in_callbacks(app: Any, cycle: LeanCycle) -> bool:

@@ -19,15 +19,15 @@ import asyncio
 import logging
 import ssl
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Final, Optional
 
 import httptools
 
-_HIGH_WATER = 1 << 20  # pause reading the upstream when this much is buffered for a slow client
-_MAX_HEAD = 1 << 20  # an upstream's status line and headers beyond this are a protocol error
-PING = b": ping\n\n"  # an SSE comment: clients ignore it, idle-timeout proxies see traffic
+_HIGH_WATER: Final = 1 << 20  # pause reading the upstream when this much is buffered for a slow client
+_MAX_HEAD: Final = 1 << 20  # an upstream's status line and headers beyond this are a protocol error
+PING: Final = b": ping\n\n"  # an SSE comment: clients ignore it, idle-timeout proxies see traffic
 
-log = logging.getLogger("vllm_proxy.upstream")
+log: Final = logging.getLogger("vllm_proxy.upstream")
 
 
 class UpstreamError(Exception):

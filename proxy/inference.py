@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import os
 import time
-from typing import Any
+from typing import Any, Final
 
 from proxy.accesslog import usage_tokens
 from proxy.asgi import DISCONNECT, Receive, Scope, Send, header, send_error
@@ -21,7 +21,7 @@ from proxy.runtime import Runtime
 from proxy.spec import JSON_BODY, Spec
 from proxy.watchdog import poisoned
 
-CLIENT_CLOSED = "499"
+CLIENT_CLOSED: Final = "499"
 
 
 class ClientGone(Exception):
@@ -376,8 +376,8 @@ def response_headers(rt: Runtime, id_header: list, backend: Backend, reason: str
     return [*id_header, (b"x-vllm-proxy-backend", backend.name.encode()), (b"x-vllm-proxy-route", reason.encode())]
 
 
-_ID_PREFIX = os.urandom(6).hex()  # per process: ids of several workers and restarts never collide
-_id_counter = itertools.count()
+_ID_PREFIX: Final = os.urandom(6).hex()  # per process: ids of several workers and restarts never collide
+_id_counter: Final = itertools.count()
 
 
 def _request_id(scope: Scope) -> str:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
-
-from proxy.cycle import LeanCycle
+from proxy.cycle import HIGH_WATER_LIMIT, LeanCycle
 from proxy.parse import INFERENCE
 
 LEAN_PATHS: Final = frozenset(path.encode() for path in INFERENCE)  # the inference POSTs' paths

@@ -20,7 +20,7 @@ import time
 from bisect import bisect_left
 import shutil
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
@@ -28,19 +28,19 @@ from proxy.tasks import Supervisor
 
 disable_created_metrics()  # the *_created series double the exposition for no operator value
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 
 # End-to-end: LLM requests run from milliseconds (embeddings) to minutes (long generations).
-DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+DURATION_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # Time to first token: fine where interactive targets live (< 500 ms), coarse up to a minute.
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2,
-                3, 5, 10, 20, 30, 60)
+TTFT_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2,
+                       3, 5, 10, 20, 30, 60)
 # Gaps between SSE data events: decode steps are ~5-100 ms, so 2.5-5 ms resolution there.
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05,
-               0.06, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
+ITL_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05,
+                      0.06, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
 # Proxy overhead: tens of microseconds normally; milliseconds mean trouble (GC, a stalled loop).
-OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
-                    0.01, 0.025, 0.05, 0.1, 0.25, 1)
+OVERHEAD_BUCKETS: Final = (0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
+                           0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
 def _version() -> str:
@@ -91,7 +91,7 @@ class _Noop:
         pass
 
 
-NOOP = _Noop()
+NOOP: Final = _Noop()
 
 
 # Per-request families are written through these deferred children: plain-Python arithmetic on

@@ -8,7 +8,7 @@ a slow fleet into an empty one.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from typing import Callable, Final, Iterable
 
 from proxy.config import OutlierConfig
 from proxy.routing.backends import Backend
@@ -16,7 +16,7 @@ from proxy.routing.clock import SYSTEM, Clock
 from proxy.routing.filters import Available
 from proxy.routing.plugins import Env, NoParams
 
-log = logging.getLogger("vllm_proxy.outlier")
+log: Final = logging.getLogger("vllm_proxy.outlier")
 
 
 class Outliers:

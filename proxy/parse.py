@@ -5,33 +5,33 @@ Everything else in the body is the upstream's business and is forwarded byte for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Final
 
 import orjson
 
 from proxy.errors import bad_request
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-EMBEDDINGS = "/v1/embeddings"
+CHAT: Final = "/v1/chat/completions"
+COMPLETIONS: Final = "/v1/completions"
+EMBEDDINGS: Final = "/v1/embeddings"
 # request path -> endpoint: the Tokios connector and other clients may use a base URL with or without /v1
-INFERENCE = {p: p for p in (CHAT, COMPLETIONS, EMBEDDINGS)} | {p[3:]: p for p in (CHAT, COMPLETIONS, EMBEDDINGS)}
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+INFERENCE: Final = {p: p for p in (CHAT, COMPLETIONS, EMBEDDINGS)} | {p[3:]: p for p in (CHAT, COMPLETIONS, EMBEDDINGS)}
+ENDPOINTS: Final = (CHAT, COMPLETIONS, EMBEDDINGS)
 
 
 # Content-part types as vLLM's chat parser knows them (vllm/entrypoints/chat_utils.py,
 # MM_PARSER_MAP): these carry only text; the media types below are checked by the multimodal gate;
 # any other type is refused (vLLM refuses it too, and an unknown type must never slip past).
-TEXT_PARTS = frozenset(("text", "input_text", "output_text", "refusal", "thinking", "tool_reference"))
-MEDIA_PARTS = frozenset((
+TEXT_PARTS: Final = frozenset(("text", "input_text", "output_text", "refusal", "thinking", "tool_reference"))
+MEDIA_PARTS: Final = frozenset((
     "image_url", "input_image", "image_embeds", "image_pil", "audio_url", "input_audio", "audio_embeds",
     "video_url", "video_embeds", "prompt_embeds", "file",
 ))
 # With a `uuid` (or no `type`), vLLM ignores `type` and takes the first of these keys it finds.
-KEYED_PARTS = ("image_url", "image_pil", "image_embeds", "audio_embeds", "prompt_embeds", "audio_url",
-               "input_audio", "video_url", "video_embeds", "tool_reference")
+KEYED_PARTS: Final = ("image_url", "image_pil", "image_embeds", "audio_embeds", "prompt_embeds", "audio_url",
+                      "input_audio", "video_url", "video_embeds", "tool_reference")
 # Request-level fields that vLLM >= 0.31 only accepts with --trust-request-mm-kwargs.
-MM_KWARGS = ("mm_processor_kwargs", "multi_modal_data", "media_io_kwargs")
+MM_KWARGS: Final = ("mm_processor_kwargs", "multi_modal_data", "media_io_kwargs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,20 +41,26 @@ class MediaPart:
     part: dict  # the whole part: vLLM reads URLs from more keys than the one its type names
 
 
-@dataclass(slots=True)
 class ParsedRequest:
-    endpoint: str
-    data: dict[str, Any]
-    model: str
-    stream: bool
-    media: list[MediaPart] | None = None  # None for text-only requests (the common, free case)
-    mm_kwargs: tuple[str, ...] = ()
-    # set by prefix_affinity when this request computes a prompt others wait for: called once its
-    # first token is relayed, or its exchange ended (proxy/routing/affinity/coalesce.py)
-    warmed: Callable[[], None] | None = None
-    # set by prefix_affinity when another request computes this one's prompt on its replica: awaited
-    # by the data path once the lease counts this request in flight, before it is sent
-    wait_for: Callable[[], Awaitable[None]] | None = None
+    """What the proxy read of one request body. A plain class, not a dataclass: compiled, its
+    constructor runs natively (a dataclass keeps the generated, interpreted `__init__`)."""
+
+    __slots__ = ("endpoint", "data", "model", "stream", "media", "mm_kwargs", "warmed", "wait_for")
+
+    def __init__(self, endpoint: str, data: dict[str, Any], model: str, stream: bool,
+                 media: list[MediaPart] | None = None, mm_kwargs: tuple[str, ...] = ()) -> None:
+        self.endpoint = endpoint
+        self.data = data
+        self.model = model
+        self.stream = stream
+        self.media = media  # None for text-only requests (the common, free case)
+        self.mm_kwargs = mm_kwargs
+        # set by prefix_affinity when this request computes a prompt others wait for: called once its
+        # first token is relayed, or its exchange ended (proxy/routing/affinity/coalesce.py)
+        self.warmed: Callable[[], None] | None = None
+        # set by prefix_affinity when another request computes this one's prompt on its replica: awaited
+        # by the data path once the lease counts this request in flight, before it is sent
+        self.wait_for: Callable[[], Awaitable[None]] | None = None
 
     @property
     def multimodal(self) -> bool:

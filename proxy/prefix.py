@@ -11,14 +11,14 @@ hashing a 2 KB system prompt per request was half of the routing decision's cost
 from __future__ import annotations
 
 from hashlib import blake2b
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import orjson
 
-_SYSTEM_ROLES = ("system", "developer")
-_MEDIA_SAMPLE = 4096  # bytes of a data: URL's head and tail that identify it (plus its length)
-_SYSTEM_CACHE_BYTES = 16 << 20  # system-part text whose hashes are kept, in bytes
-_SEEDS = 4096  # seeds (upstream model and adapter ids) whose leading hash is kept
+_SYSTEM_ROLES: Final = ("system", "developer")
+_MEDIA_SAMPLE: Final = 4096  # bytes of a data: URL's head and tail that identify it (plus its length)
+_SYSTEM_CACHE_BYTES: Final = 16 << 20  # system-part text whose hashes are kept, in bytes
+_SEEDS: Final = 4096  # seeds (upstream model and adapter ids) whose leading hash is kept
 
 
 class PrefixKey(NamedTuple):  # a tuple: built once per request, cheaper than a frozen dataclass
@@ -27,10 +27,10 @@ class PrefixKey(NamedTuple):  # a tuple: built once per request, cheaper than a 
     pin_blocks: int  # how many leading chain entries lie inside the pinned (system) part
 
 
-_new_key = tuple.__new__  # PrefixKey(...) without the named tuple's own __new__ (a Python call)
+_new_key: Final = tuple.__new__  # PrefixKey(...) without the named tuple's own __new__ (a Python call)
 
 
-_BLAKE8 = blake2b(digest_size=8)  # copied per hash: cheaper than a constructor parsing its keyword
+_BLAKE8: Final = blake2b(digest_size=8)  # copied per hash: cheaper than a constructor parsing its keyword
 
 
 def _h(data: bytes) -> int:
@@ -155,7 +155,7 @@ class _SystemHashes:
 
 
 _system_hashes = _SystemHashes(_SYSTEM_CACHE_BYTES)
-_seeds: dict[str, tuple[bytes, bytes]] = {}  # seed -> (its encoding, the hash that starts its chains)
+_seeds: Final[dict[str, tuple[bytes, bytes]]] = {}  # seed -> (its encoding, the hash that starts its chains)
 
 
 def _seeded(seed: str) -> tuple[bytes, bytes]:

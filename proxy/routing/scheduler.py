@@ -13,7 +13,7 @@ pick (scorers and picker, or a single proposing plugin such as prefix_affinity);
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Final, Sequence
 
 from proxy.errors import ProxyError
 from proxy.routing.backends import Backend
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from proxy.parse import ParsedRequest
     from proxy.routing.profiles import Profile
 
-_REPICKS = 4  # picks an after_pick hook may refuse before the request gets a 503
+_REPICKS: Final = 4  # picks an after_pick hook may refuse before the request gets a 503
 
 
 class Lease:

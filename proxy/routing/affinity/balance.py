@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Final, Sequence
 
 from proxy.routing.backends import Backend
 from proxy.routing import speed
@@ -56,22 +56,22 @@ from proxy.routing import speed
 if TYPE_CHECKING:
     from proxy.shared import LocalWindow, RemoteWindow, SharedState
 
-_SLACK = 10.0  # requests above (1 + eps) x mean: a cap at small counts is not a round robin
-FRESH_S = 1.0  # overflows published this long (the other proxies read them within a sync or two)
-_FRESH_MAX = 256  # and at most this many of them
+_SLACK: Final = 10.0  # requests above (1 + eps) x mean: a cap at small counts is not a round robin
+FRESH_S: Final = 1.0  # overflows published this long (the other proxies read them within a sync or two)
+_FRESH_MAX: Final = 256  # and at most this many of them
 # a new conversation within this many requests of its replica's cap goes where its prompt is cached
 # if that replica has more than _NEAR_ROOM requests of room (replayed, 16 seeds x 3000 requests:
 # weak 0.9647 -> 0.9668 of the bound, worst 0.937 -> 0.941; strong 0.9618 -> 0.9649, worst 0.926 ->
 # 0.948; at 4-10 requests of the cap strong lost up to 0.006: it balanced more than the cap needs)
-_NEAR = 2.0
-_NEAR_ROOM = 2.0 * _SLACK
-_FILLING = 0.3  # extra relative headroom while the window fills (falls linearly to 0 when full)
+_NEAR: Final = 2.0
+_NEAR_ROOM: Final = 2.0 * _SLACK
+_FILLING: Final = 0.3  # extra relative headroom while the window fills (falls linearly to 0 when full)
 # the stretch bound's headroom. A replica whose traffic is exactly its share has a walk whose level
 # is about exponential with mean p(1-p) / (2 x eps / n): at the window's 0.03, 12 requests, so it
 # sat above a burst of 20 a fifth of the time and the bound capped chance (3 proxies at 10x the
 # rate, 800-request phases: worst share 0.965 against 0.971 without it); at 0.1, 4 requests (0.5 %
 # of the time above 20), and it caps what it is for: credit (400-request phases <= 1.28 offline)
-_STRETCH_EPSILON = 0.1
+_STRETCH_EPSILON: Final = 0.1
 
 
 class Window:

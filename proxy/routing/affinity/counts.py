@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Final
 
-_RESCALE_AFTER = 40.0  # time constants; renormalise the scaled rate accumulators past it
+_RESCALE_AFTER: Final = 40.0  # time constants; renormalise the scaled rate accumulators past it
 
 
 class DecayedCounts:

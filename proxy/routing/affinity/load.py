@@ -12,7 +12,7 @@ A replica markedly slower than the fastest counts more per request (proxy/routin
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Final, Sequence
 
 from proxy.config import AffinityConfig
 from proxy.routing.backends import Backend
@@ -20,9 +20,9 @@ from proxy.routing.speed import counted
 from proxy.routing.affinity.counts import DecayedCounts
 from proxy.shared import SharedState
 
-_RATE_EVERY_S = 1.0  # the request rate is measured over this much wall time...
-_RATE_EVERY_REQUESTS = 64.0  # ... or this many requests, whichever comes first
-_START_RATE = 100.0  # requests a second assumed before the first measurement
+_RATE_EVERY_S: Final = 1.0  # the request rate is measured over this much wall time...
+_RATE_EVERY_REQUESTS: Final = 64.0  # ... or this many requests, whichever comes first
+_START_RATE: Final = 100.0  # requests a second assumed before the first measurement
 
 
 class LoadView:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Sequence
+from typing import Callable, Final, Sequence
 
 from proxy.config import AffinityConfig
 from proxy.routing.backends import Backend
@@ -15,9 +15,9 @@ from proxy.routing.affinity.store import TenantStore
 from proxy.routing.affinity.table import TenantTable
 from proxy.routing.affinity.tenants import TenantStats
 
-log = logging.getLogger("vllm_proxy.affinity")
+log: Final = logging.getLogger("vllm_proxy.affinity")
 
-_OVERFLOW_GROW = 0.75  # a tenant over the balance cap grows when its share x replicas is this much of its set
+_OVERFLOW_GROW: Final = 0.75  # a tenant over the balance cap grows when its share x replicas is this much of its set
 
 
 class Placement:

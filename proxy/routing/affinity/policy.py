@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Final, Sequence
 
 from proxy.config import AffinityConfig, plain
 from proxy.parse import CHAT, ParsedRequest
@@ -25,15 +25,15 @@ from proxy.routing.affinity.table import CHARS_PER_TOKEN, TenantTable
 from proxy.routing.affinity.tenants import TenantStats
 from proxy.shared import SharedState
 
-log = logging.getLogger("vllm_proxy.affinity")
+log: Final = logging.getLogger("vllm_proxy.affinity")
 
-_COMPLETIONS = "/v1/completions"
+_COMPLETIONS: Final = "/v1/completions"
 # tenths of a slower replica's cache (in characters, CHARS_PER_TOKEN a token) its index entries
 # stand for: the cache also holds the replies and the tails past max_blocks that the index does
 # not see. Replayed on the heterogeneous weak shape (seeds 0-15, with the packing's `slower_held`):
 # 9 and 8 left as many cold prompts on the slow replica (~28 a run), 9 kept a little more of the
 # pooled bound (0.963 against 0.960 over seeds 0-7); at 10 a quarter of the evictions went unseen.
-_INDEXED_TENTHS = 9
+_INDEXED_TENTHS: Final = 9
 
 
 class PrefixAffinity:

@@ -4,13 +4,13 @@ which every proxy computes alike without talking."""
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Final, Mapping, Sequence
 
 from proxy.routing.backends import Backend
 from proxy.routing.affinity.load import LoadView
 from proxy.routing.affinity.table import TenantTable
 
-_MASK = (1 << 64) - 1
+_MASK: Final = (1 << 64) - 1
 
 
 def rendezvous_weight(key: int, salt: int) -> int:

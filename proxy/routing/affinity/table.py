@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Final, Sequence
 
 from proxy.config import AffinityConfig
 from proxy.routing.backends import Backend
 from proxy.routing.affinity.store import TenantStore
 from proxy.routing.affinity.tenants import TenantStats
 
-CHARS_PER_TOKEN = 4  # to size a system prompt (pin blocks x block_chars) in cache tokens
+CHARS_PER_TOKEN: Final = 4  # to size a system prompt (pin blocks x block_chars) in cache tokens
 # a placement reaches the other proxies' mirrors in ~1 ms (proxy/shared.py: flushed at once, read
 # from the stream); until well after that, this proxy's own placements stand for the others' of the
 # same moment too (`TenantTable.herd`). Far below the gap between newcomers outside a burst
-_HERD_S = 0.05
-_HERD_MAX = 64
+_HERD_S: Final = 0.05
+_HERD_MAX: Final = 64
 
 
 class TenantTable:

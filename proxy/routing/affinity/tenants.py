@@ -9,26 +9,26 @@ repair, and when it returns it is counted from scratch.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Final
 
 from proxy.config import AffinityConfig
 from proxy.routing.affinity.counts import DecayedCounts
 from proxy.routing.affinity.load import LoadView
 from proxy.routing.affinity.store import Pins
 
-_PUBLISH_TENANTS = 16384  # tenants up to which this proxy shares its counts with the others' planner
-_GROW_SIGMAS = 2.5  # a set grows on the lower confidence bound of the tenant's share (Poisson)
-_FEW_TO_GROW = 0.96 * _GROW_SIGMAS ** 2  # decayed requests below which that bound is 0 (with room for rounding)
-_IDLE_GAPS = 6.0  # a tenant is idle after this many of its mean gaps without a request (P ~ e^-6 by chance)
-_IDLE_SIGMAS = 2.0  # ... of its mean gaps at the low end of its share (Poisson), so a light one is not dropped early
-_PRESENT_GAPS = 3.0  # the packing repair weighs a tenant silent for more of its mean gaps than this down
+_PUBLISH_TENANTS: Final = 16384  # tenants up to which this proxy shares its counts with the others' planner
+_GROW_SIGMAS: Final = 2.5  # a set grows on the lower confidence bound of the tenant's share (Poisson)
+_FEW_TO_GROW: Final = 0.96 * _GROW_SIGMAS ** 2  # decayed requests below which that bound is 0 (with room for rounding)
+_IDLE_GAPS: Final = 6.0  # a tenant is idle after this many of its mean gaps without a request (P ~ e^-6 by chance)
+_IDLE_SIGMAS: Final = 2.0  # ... of its mean gaps at the low end of its share (Poisson), so a light one is not dropped early
+_PRESENT_GAPS: Final = 3.0  # the packing repair weighs a tenant silent for more of its mean gaps than this down
 # the short window is this much shorter than window_requests (3000 -> 100 requests). At a tenth
 # (300), a tenant that went from 4 % to 45 % of the traffic between two phases grew its set 184
 # requests into the second, overflowing one request at a time meanwhile; at a thirtieth, after 53
 # (loadtest.affinity_drift --offline --requests 400, seed 0, `swap`). Its shares are noisier, but
 # each use of them is guarded by a confidence bound on the requests they rest on
-_FAST = 30.0
-_SHIFTED_SIGMAS = 3.0  # a share over the short window this far from the long one means the tenant changed
+_FAST: Final = 30.0
+_SHIFTED_SIGMAS: Final = 3.0  # a share over the short window this far from the long one means the tenant changed
 
 
 class Seen:

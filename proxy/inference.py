@@ -13,6 +13,7 @@ from proxy.asgi import DISCONNECT, Receive, Scope, Send, header, send_error
 from proxy.auth import CLIENT, key_name
 from proxy.errors import ProxyError, model_not_found
 from proxy.forward import Progress, StreamBroken, UpstreamFailure
+from proxy.metrics import Series
 from proxy.parse import ParsedRequest, parse_request
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
@@ -230,7 +231,8 @@ async def serve(rt: Runtime, call: Call, send: Send, lease: Lease, first: "Attem
     account(rt, call, status, progress, series, backend, reason)
 
 
-def account(rt: Runtime, call: Call, status: str, progress: Progress, series, backend: Backend, reason: str) -> None:
+def account(rt: Runtime, call: Call, status: str, progress: Progress, series: Series, backend: Backend,
+            reason: str) -> None:
     """A request answered by a replica: its metrics (proxy/metrics.py) and access-log line."""
     ended = time.perf_counter()
     started = call.started
@@ -283,12 +285,12 @@ class Attempt:
         self.rt = rt
         metrics = rt.metrics
         backend = self.backend = lease.backend
-        metrics.child(metrics.decisions, rt.policy.name, lease.reason).inc()
         self.status = "502"
         self.failure: UpstreamFailure | None = None
-        in_flight = self.in_flight = metrics.child(metrics.in_flight, backend.name)
-        in_flight.inc()
         series = self.series = metrics.series(lease.route.name, backend.name, call.endpoint)
+        series.decision(rt.policy.name, lease.reason).inc()
+        in_flight = self.in_flight = series.in_flight
+        in_flight.inc()
         spec = call.spec
         self.progress = progress = (Progress(call.started, series.stream_sink) if spec is None else
                                     Progress(call.started, series.stream_sink, spec.marker))

@@ -17,7 +17,7 @@ import importlib.metadata
 import os
 import platform
 import time
-from bisect import bisect_left
+import bisect
 import shutil
 import tempfile
 from typing import Any, Callable, Final
@@ -70,8 +70,10 @@ def prepare_multiprocess_dir() -> Callable[[], None]:
     return lambda: shutil.rmtree(path, ignore_errors=True)
 
 
-class _Noop:
-    """The child handed out for per-request families when metrics are disabled."""
+class Sink:
+    """What a per-request family's child is: deferred (below), or this base itself, which does
+    nothing, while metrics are disabled. One typed base, so that compiled callers call these
+    methods natively rather than by name."""
 
     __slots__ = ()
 
@@ -91,7 +93,8 @@ class _Noop:
         pass
 
 
-NOOP: Final = _Noop()
+NOOP: Final = Sink()
+bisect_left: Final = bisect.bisect_left  # (compiled: a static, not a dict lookup at each call)
 
 
 # Per-request families are written through these deferred children: plain-Python arithmetic on
@@ -101,7 +104,7 @@ NOOP: Final = _Noop()
 # `serve --workers N` (whose values other workers' /metrics read from the shared files).
 # Everything runs on the event loop thread, so no locking is needed.
 
-class DeferredCounter:
+class DeferredCounter(Sink):
     __slots__ = ("child", "pending")
 
     def __init__(self, child) -> None:
@@ -117,7 +120,7 @@ class DeferredCounter:
             self.pending = 0.0
 
 
-class DeferredGauge:
+class DeferredGauge(Sink):
     __slots__ = ("child", "value", "shown")
 
     def __init__(self, child) -> None:
@@ -140,7 +143,7 @@ class DeferredGauge:
             self.shown = self.value
 
 
-class DeferredHistogram:
+class DeferredHistogram(Sink):
     """`counts[i]` counts observations in bucket i = bisect_left(bounds, x); the stream relay
     increments `counts` itself (see proxy/forward.py) and adds its total to `sum`."""
 
@@ -172,27 +175,39 @@ class DeferredHistogram:
 class Series:
     """The children one (deployment, backend, endpoint) records into, looked up once and cached."""
 
-    __slots__ = ("metrics", "labels", "statuses", "duration", "ttft", "itl", "overhead")
+    __slots__ = ("metrics", "labels", "statuses", "decisions", "duration", "ttft", "itl", "overhead", "in_flight")
 
     def __init__(self, metrics: "Metrics", deployment: str, backend: str, endpoint: str) -> None:
         self.metrics = metrics
         self.labels = (deployment, backend, endpoint)
-        self.statuses: dict[str, object] = {}
-        self.duration = metrics.child(metrics.duration, deployment, backend, endpoint)
-        self.ttft = metrics.child(metrics.ttft, deployment, backend)
-        self.itl = metrics.child(metrics.itl, deployment, backend)
-        self.overhead = metrics.child(metrics.overhead, endpoint)
+        self.statuses: dict[str, Sink] = {}
+        self.decisions: dict[tuple[str, str], Sink] = {}
+        self.duration = metrics.sink(metrics.duration, deployment, backend, endpoint)
+        self.ttft = metrics.sink(metrics.ttft, deployment, backend)
+        self.itl = metrics.sink(metrics.itl, deployment, backend)
+        self.overhead = metrics.sink(metrics.overhead, endpoint)
+        self.in_flight = metrics.sink(metrics.in_flight, backend)
 
     @property
     def stream_sink(self) -> Any:
         """Where a stream relay counts its inter-token gaps (None: do not time streams)."""
         return self.itl if self.metrics.enabled else self.metrics.discard
 
-    def status(self, code: str):
+    def status(self, code: str) -> Sink:
         found = self.statuses.get(code)
         if found is None:
             m = self.metrics
-            found = self.statuses[code] = m.child(m.requests, *self.labels, code)
+            found = self.statuses[code] = m.sink(m.requests, *self.labels, code)
+        return found
+
+    def decision(self, policy: str, reason: str) -> Sink:
+        """The routing decisions' counter (labelled by policy and reason alone: the same child
+        from every series; looked up here by a key of two strings, not by the family's labels)."""
+        key = (policy, reason)
+        found = self.decisions.get(key)
+        if found is None:
+            m = self.metrics
+            found = self.decisions[key] = m.sink(m.decisions, policy, reason)
         return found
 
 
@@ -340,6 +355,12 @@ class Metrics:
                     found = DeferredCounter(child)
                 self._deferred.append(found)
             self._children[key] = found
+        return found
+
+    def sink(self, family, *labels: str) -> Sink:
+        """`child` of a per-request family (`_per_request`), typed."""
+        found = self.child(family, *labels)
+        assert isinstance(found, Sink), family
         return found
 
     def forget(self, family, *labels: str) -> None:

@@ -227,15 +227,24 @@ class LeanCycle:
         self._started = True
         head = [STATUS_LINE[status]]
         chunked = True
-        for name, value in headers:
+        # (pairs read by index and appended one by one: compiled, unpacking an untyped pair and
+        # `+=` of a tuple each went through the generic iterator protocol)
+        for pair in headers:
+            name = pair[0]
             if name == b"content-length":
                 chunked = False
-            elif name == b"connection" and b"close" in value.lower():
+            elif name == b"connection" and b"close" in pair[1].lower():
                 self.keep_alive = False
                 continue
-            head += (name, b": ", value, b"\r\n")
-        for name, value in self.protocol.server_state.default_headers:  # Date (and Server if on)
-            head += (name, b": ", value, b"\r\n")
+            head.append(name)
+            head.append(b": ")
+            head.append(pair[1])
+            head.append(b"\r\n")
+        for pair in self.protocol.server_state.default_headers:  # Date (and Server if on)
+            head.append(pair[0])
+            head.append(b": ")
+            head.append(pair[1])
+            head.append(b"\r\n")
         if chunked:
             head.append(b"transfer-encoding: chunked\r\n")
         if not self.keep_alive:

@@ -18,6 +18,7 @@ from typing import Callable, Final
 import httpx
 
 from proxy import control
+from proxy.accesslog import fixed3
 from proxy.asgi import Headers, Send
 from proxy.config import ServerConfig, Timeouts
 from proxy.errors import ProxyError, normalise_upstream_error
@@ -251,11 +252,11 @@ def plain_answer(
     elif rename is not None:
         payload = payload.replace(*rename)
     # headers go out before the body: the header counts proxy time up to this point
-    overhead_ms = b"%.3f" % ((progress.proxy_s + perf_counter() - read_at) * 1000.0)
+    overhead_ms = fixed3((progress.proxy_s + perf_counter() - read_at) * 1000.0)
     progress.relay_at = read_at
     progress.body = payload
     progress.started = True
-    return payload, [(b"content-type", ctype), (b"content-length", b"%d" % len(payload)),
+    return payload, [(b"content-type", ctype), (b"content-length", str(len(payload)).encode()),
                      (b"x-vllm-proxy-overhead-ms", overhead_ms), *response_headers]
 
 

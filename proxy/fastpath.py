@@ -71,6 +71,7 @@ def start(rt: Runtime, cycle: LeanCycle, endpoint: str, started: float) -> bool:
     except ProxyError:
         return False  # the usual path answers it
     if parsed.stream or parsed.multimodal:
+        cycle.scope[inference.RESOLVED] = call  # the app's task goes on from here (inference.handle)
         return False
     if route.rewrite:
         call.body = JSON_BODY.rewrite(parsed, body, route)

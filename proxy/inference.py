@@ -23,6 +23,9 @@ from proxy.spec import JSON_BODY, Spec
 from proxy.watchdog import poisoned
 
 CLIENT_CLOSED: Final = "499"
+# scope key: the Call that proxy/fastpath.py resolved (its body parsed) before it left the request
+# to this path (a stream, a multimodal request): `handle` goes on with it rather than parsing again
+RESOLVED: Final = "vllm_proxy.resolved"
 
 
 class ClientGone(Exception):
@@ -146,7 +149,9 @@ class Call:
 
 
 async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoint: str, spec: Spec | None = None) -> None:
-    call = Call(scope, endpoint, spec, time.perf_counter())
+    call: Call | None = scope.pop(RESOLVED, None)
+    if call is None or call.endpoint != endpoint or call.spec is not spec:
+        call = Call(scope, endpoint, spec, time.perf_counter())
     try:
         lease = await _decide(rt, call, receive)
     except ClientGone:
@@ -175,7 +180,7 @@ async def _decide(rt: Runtime, call: Call, receive: Receive) -> Lease:
     # From here a client that leaves cancels this task (also while it waits for a slot).
     lean = scope.get(DISCONNECT)
     call.watch = lean.arm() if lean is not None else DisconnectWatch(receive)
-    parsed, route = call.resolve(rt, body)
+    parsed, route = call.resolve(rt, body) if call.parsed is None else call.decided()
     changed = False
     if parsed.multimodal:
         call.trusted_only, changed = await rt.multimodal.check(parsed, route)

@@ -14,6 +14,9 @@ Headers = list[tuple[bytes, bytes]]
 # that cancels the request task when the client disconnects. Under other ASGI servers the handler
 # watches `receive()` itself.
 DISCONNECT: Final = "vllm_proxy.disconnect"
+# an http.response.start key of ours: a body message follows at once (no await in between), so a
+# server may send the head with it, in one write (our own does: proxy/cycle.py; others ignore it)
+BODY_FOLLOWS: Final = "vllm_proxy.body_follows"
 
 
 async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes, headers: Headers = ()) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from uvicorn.protocols.http import flow_control, httptools_impl
 
-from proxy.asgi import DISCONNECT
+from proxy.asgi import BODY_FOLLOWS, DISCONNECT
 from proxy.errors import ProxyError
 
 log: Final = logging.getLogger("vllm_proxy")
@@ -212,10 +212,12 @@ class LeanCycle:
                 self._complete()
         elif kind == "http.response.start":
             head = self._start(message["status"], message.get("headers", ()))
-            if self._chunked:  # a stream: its head goes out now (clients see the status before the first token)
+            # a stream's head goes out now (clients see the status before the first token), unless
+            # its first body bytes are at hand; a plain body's head leaves with it, in one write
+            if self._chunked and not message.get(BODY_FOLLOWS):
                 if not self.disconnected and not self.transport.is_closing():
                     self.transport.write(head)
-            else:  # a plain body: head and body leave in one write
+            else:
                 self._head = [head]
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")

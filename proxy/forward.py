@@ -19,7 +19,7 @@ import httpx
 
 from proxy import control
 from proxy.accesslog import fixed3
-from proxy.asgi import Headers, Send
+from proxy.asgi import BODY_FOLLOWS, Headers, Send
 from proxy.config import ServerConfig, Timeouts
 from proxy.errors import ProxyError, normalise_upstream_error
 from proxy.http1 import PING, Pool, Response, UpstreamError
@@ -209,8 +209,10 @@ class Upstream:
         self, resp: Response, send: Send, headers: Headers, rename: tuple[bytes, bytes] | None,
         progress: Progress, headers_at: float, track: Track,
     ) -> None:
-        # The head goes out before the first token (clients see the status during the prefill).
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        # The head goes out before the first token (clients see the status during the prefill), with
+        # it when that is at hand; the last bytes go out with the stream's end (fewer writes a stream)
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers,
+                    BODY_FOLLOWS: resp.buffered()})
         progress.started = True
         progress.proxy_s += perf_counter() - headers_at
         try:
@@ -220,9 +222,12 @@ class Upstream:
                         track.beats += 1
                     if rename is not None:
                         chunk = chunk.replace(*rename)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            else:
-                await _relay_timed(resp, send, rename, progress, self.keepalive, track)
+                    ended = resp.ended()
+                    await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+                    if ended:
+                        return
+            elif await _relay_timed(resp, send, rename, progress, self.keepalive, track):
+                return
         except UpstreamError as exc:
             failure = UpstreamFailure(exc.kind, 502, f"The model server failed mid-stream ({exc}).")
             await _end_stream(resp, send, failure)
@@ -295,7 +300,7 @@ class StreamBroken(Exception):
 async def _relay_timed(
     resp: Response, send: Send, rename: tuple[bytes, bytes] | None, progress: Progress, keepalive: float | None,
     track: Track,
-) -> None:
+) -> bool:
     """The relay loop, timing SSE data events without parsing them: a substring test per chunk,
     one clock read and one bisect per chunk that carries a data event, no allocation.
 
@@ -305,6 +310,7 @@ async def _relay_timed(
     `data: [DONE]` carries no token and is skipped; each gap is committed when the next data
     chunk arrives, and the last one only if its chunk is not the usage-only event
     (`"choices":[]`, sent with stream_options.include_usage), which is no token either.
+    True: its last message ended the client's stream (the upstream's end had arrived with its bytes).
     """
     itl = progress.itl
     marker = progress.marker
@@ -335,7 +341,11 @@ async def _relay_timed(
                 tail = chunk
                 if progress.on_first is not None:
                     progress.on_first()
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            ended = resp.ended()
+            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+            if ended:
+                return True  # (the client's stream is complete)
+        return False
     finally:
         if pending >= 0 and not _usage_first(tail):
             counts[pending] += 1

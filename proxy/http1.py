@@ -91,7 +91,7 @@ class Response:
 
     # -- used by the proxy ----------------------------------------------------------------
     async def _wait(self, timeout: float, what: str) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._conn.loop  # (the running one: its connection's callbacks wake this waiter)
         left = self._deadline - loop.time()
         if left < timeout:
             if left <= 0:
@@ -125,13 +125,21 @@ class Response:
             try:
                 await self._wait(min(keepalive, left), "the upstream went silent mid-body")
             except UpstreamError:
-                if asyncio.get_running_loop().time() >= self._deadline:
+                if self._conn.loop.time() >= self._deadline:
                     raise
                 if self._boundary and not self._buf and time.monotonic() - silent_since < self._idle_timeout:
                     return PING
         data = self.take()
         self._boundary = data.endswith(b"\n\n")
         return data
+
+    def buffered(self) -> bool:
+        """Body bytes wait to be taken: `next_chunk` returns them without waiting."""
+        return bool(self._buf)
+
+    def ended(self) -> bool:
+        """The whole body arrived and was taken: `next_chunk` returns None."""
+        return self.done and not self._buf and self._error is None
 
     def take(self) -> bytes:
         """The body bytes buffered so far (b"" if none), reading resumed if they had paused it."""

@@ -84,12 +84,6 @@ def stored_digest(entry: ApiKey, index: int) -> bytes | None:
     return digest(value)
 
 
-def key_name(scope: Scope) -> str | None:
-    """The configured name of the key this request authenticated with (None without auth)."""
-    client = scope.get(CLIENT)
-    return client.name if client is not None else None
-
-
 def unauthorized(message: str) -> ProxyError:
     return ProxyError(
         401, message, code="invalid_api_key", type="invalid_request_error",

@@ -92,6 +92,11 @@ class Progress:
         self.task: asyncio.Task | None = None  # the request's task while the exchange runs
         self.abort: str | None = None  # why the exchange was cut (`cut`)
 
+    def usage(self, stream: bool) -> bytes | None:
+        """Where the replica's `usage` object is: a stream's last token chunk, else the body (the
+        chat/completions/embeddings answers'; proxy/spec.py `Spec.usage`)."""
+        return self.tail if stream else self.body
+
     def cut(self, reason: str) -> None:
         """End the exchange from outside (its replica is down): it fails over if nothing reached
         the client yet, else its stream ends with an SSE error event; the upstream is closed."""

@@ -10,7 +10,7 @@ from typing import Any, Final
 
 from proxy.accesslog import usage_tokens
 from proxy.asgi import DISCONNECT, Receive, Scope, Send, header, send_error
-from proxy.auth import CLIENT, key_name
+from proxy.auth import CLIENT
 from proxy.errors import ProxyError, model_not_found
 from proxy.forward import Progress, StreamBroken, UpstreamFailure
 from proxy.metrics import Series
@@ -148,6 +148,13 @@ class Call:
         return parsed, route
 
 
+def key_name(scope: Scope) -> str | None:
+    """The configured name of the key this request authenticated with (None without auth; the
+    access log's `key`, proxy/auth.py). Here, compiled: it runs for every answer."""
+    client = scope.get(CLIENT)
+    return client.name if client is not None else None
+
+
 async def handle(rt: Runtime, scope: Scope, receive: Receive, send: Send, endpoint: str, spec: Spec | None = None) -> None:
     call: Call | None = scope.pop(RESOLVED, None)
     if call is None or call.endpoint != endpoint or call.spec is not spec:
@@ -252,7 +259,8 @@ def account(rt: Runtime, call: Call, status: str, progress: Progress, series: Se
             series.ttft.observe(ttft)
     key = key_name(call.scope)
     parsed, route = call.decided()
-    tokens = usage_tokens((call.spec or JSON_BODY).usage(progress, parsed.stream))
+    spec = call.spec
+    tokens = usage_tokens(progress.usage(parsed.stream) if spec is None else spec.usage(progress, parsed.stream))
     rt.metrics.count_key(key, status, route.name, tokens)
     access = rt.access
     if access is not None and access.wanted():

@@ -32,8 +32,8 @@ class Spec:
         return orjson.dumps(parsed.data)
 
     def usage(self, progress: Progress, stream: bool) -> bytes | None:
-        """Where the replica's `usage` object is: a stream's last token chunk, else the body."""
-        return progress.tail if stream else progress.body
+        """Where the replica's `usage` object is (this spec's answers: as chat completions')."""
+        return progress.usage(stream)
 
     def head(self, backend: Backend, endpoint: str) -> bytes | None:
         head = backend.heads.get(endpoint)

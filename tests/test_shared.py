@@ -353,6 +353,31 @@ def test_tenant_counts_go_out_after_a_few_dozen_requests_at_any_rate(redis_url: 
     asyncio.run(scenario())
 
 
+def test_a_kept_lease_answer_still_passes_the_lease_on(redis_url: str) -> None:
+    """The packing repair asks for its lease every few hundred requests (70 times a second at 20k
+    requests a second): each answer is kept for half the lease. The holder keeps it without asking
+    Redis, and once it stops renewing another proxy takes it over."""
+    async def scenario() -> None:
+        a = SharedState(redis_url, local_load=dict, timeout_s=0.5)
+        b = SharedState(redis_url, local_load=dict, timeout_s=0.5)
+        a.up = b.up = True
+        try:
+            assert await a.lease("t", 0.4) and not await b.lease("t", 0.4)
+            await a.client.delete("vp:lease:t")  # (gone from Redis: a's kept answer still says it holds it)
+            assert await a.lease("t", 0.4)
+            deadline = time.monotonic() + 30.0
+            while not await b.lease("t", 0.4):  # a no longer renews: b takes the lease once its answer is due
+                assert time.monotonic() < deadline, "the lease never passed on"
+                await asyncio.sleep(0.02)
+            a._leases.clear()  # a asks Redis again: the lease is b's now
+            assert not await a.lease("t", 0.4)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_placement_change_reaches_every_mirror_and_queued_writes_win(redis_url: str) -> None:
     """set_pin (shrink, re-home) is in the other proxies' mirrors shortly after; a change this
     proxy has queued but not sent yet is not overwritten by an older entry arriving meanwhile."""

@@ -309,8 +309,8 @@ class AccessLog:
         stream: bool, duration_s: float, ttft_s: float | None = None, overhead_s: float | None = None,
         tokens: tuple[int | None, int | None] = (None, None), key: str | None = None,
     ) -> None:
-        fields: Fields = (time.time(), request_id, endpoint, deployment, backend, route, status, stream, duration_s, ttft_s,
-                  overhead_s, tokens, key, self.worker)
+        fields: Fields = (time.time(), request_id, endpoint, deployment, backend, route, status, stream, duration_s,
+                          ttft_s, overhead_s, tokens, key, self.worker)
         handlers = log.handlers
         if len(handlers) == 1 and handlers[0] is self.writer and not log.filters and not log.disabled:
             self.writer.fields(fields)  # our handler alone: no LogRecord, the line formatted with its batch

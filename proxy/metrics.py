@@ -12,12 +12,12 @@ arithmetic, flushed into prometheus_client before each exposition), and with
 from __future__ import annotations
 
 import asyncio
+import bisect
 import glob
 import importlib.metadata
 import os
 import platform
 import time
-import bisect
 import shutil
 import tempfile
 from typing import Any, Callable, Final

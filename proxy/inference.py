@@ -301,7 +301,7 @@ class Attempt:
         self.status = "502"
         self.failure: UpstreamFailure | None = None
         series = self.series = metrics.series(lease.route.name, backend.name, call.endpoint)
-        series.decision(rt.policy.name, lease.reason).inc()
+        metrics.decision(rt.policy.name, lease.reason).inc()
         in_flight = self.in_flight = series.in_flight
         in_flight.inc()
         spec = call.spec

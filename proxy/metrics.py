@@ -175,13 +175,12 @@ class DeferredHistogram(Sink):
 class Series:
     """The children one (deployment, backend, endpoint) records into, looked up once and cached."""
 
-    __slots__ = ("metrics", "labels", "statuses", "decisions", "duration", "ttft", "itl", "overhead", "in_flight")
+    __slots__ = ("metrics", "labels", "statuses", "duration", "ttft", "itl", "overhead", "in_flight")
 
     def __init__(self, metrics: "Metrics", deployment: str, backend: str, endpoint: str) -> None:
         self.metrics = metrics
         self.labels = (deployment, backend, endpoint)
         self.statuses: dict[str, Sink] = {}
-        self.decisions: dict[tuple[str, str], Sink] = {}
         self.duration = metrics.sink(metrics.duration, deployment, backend, endpoint)
         self.ttft = metrics.sink(metrics.ttft, deployment, backend)
         self.itl = metrics.sink(metrics.itl, deployment, backend)
@@ -198,16 +197,6 @@ class Series:
         if found is None:
             m = self.metrics
             found = self.statuses[code] = m.sink(m.requests, *self.labels, code)
-        return found
-
-    def decision(self, policy: str, reason: str) -> Sink:
-        """The routing decisions' counter (labelled by policy and reason alone: the same child
-        from every series; looked up here by a key of two strings, not by the family's labels)."""
-        key = (policy, reason)
-        found = self.decisions.get(key)
-        if found is None:
-            m = self.metrics
-            found = self.decisions[key] = m.sink(m.decisions, policy, reason)
         return found
 
 
@@ -329,6 +318,7 @@ class Metrics:
         self._children: dict[tuple, object] = {}
         self._deferred: list = []
         self._series: dict[tuple[str, str, str], Series] = {}
+        self._decisions: dict[tuple[str, str], Sink] = {}  # (policy, reason) -> its decisions child
         self._key_series: dict[tuple, tuple] = {}  # (key, status, deployment) -> count_key's children
         self._exposition_registry: CollectorRegistry | None = None
         self._flusher: asyncio.Task | None = None
@@ -355,6 +345,15 @@ class Metrics:
                     found = DeferredCounter(child)
                 self._deferred.append(found)
             self._children[key] = found
+        return found
+
+    def decision(self, policy: str, reason: str) -> Sink:
+        """The routing decisions' counter, found by a key of two strings (`child` builds and
+        compares the family's labelled key: ~3k instructions a request)."""
+        key = (policy, reason)
+        found = self._decisions.get(key)
+        if found is None:
+            found = self._decisions[key] = self.sink(self.decisions, policy, reason)
         return found
 
     def sink(self, family, *labels: str) -> Sink:

@@ -148,16 +148,17 @@ def replica_cmd(port: int, s: SimSettings) -> list[str]:
 
 
 def proxy_config(port: int, replicas: list[str], policy: str, redis_url: str, profiles: dict | None = None) -> str:
-    """`policy` may carry knobs of its YAML section: "prefix_affinity+move_after_requests=100+epsilon=0.2";
-    or name one of `profiles` (routing.profiles)."""
+    """`policy` may carry knobs of its YAML section: "prefix_affinity+move_after_requests=100+epsilon=0.2",
+    and of the redis section ("+redis.busy_sync_interval_s=0.005"); or name one of `profiles` (routing.profiles)."""
     name, *knobs = policy.split("+")
-    section = ", ".join(k.replace("=", ": ", 1) for k in knobs)
-    routing = f"{{policy: {name}, {name}: {{{section}}}}}" if knobs else f"{{policy: {name}}}"
+    shared = "".join(f", {k[len('redis.'):].replace('=', ': ', 1)}" for k in knobs if k.startswith("redis."))
+    section = ", ".join(k.replace("=", ": ", 1) for k in knobs if not k.startswith("redis."))
+    routing = f"{{policy: {name}, {name}: {{{section}}}}}" if section else f"{{policy: {name}}}"
     if profiles and name in profiles:
         routing = orjson.dumps({"policy": name, "profiles": {name: profiles[name]}}).decode()  # (JSON is YAML)
     backends = "".join(f'  - {{name: r{i}, url: "{u}"}}\n' for i, u in enumerate(replicas))
     return (f"server: {{host: {HOST}, port: {port}}}\nbackends:\n{backends}"
-            f"routing: {routing}\nredis: {{url: \"{redis_url}\"}}\n")
+            f"routing: {routing}\nredis: {{url: \"{redis_url}\"{shared}}}\n")
 
 
 def check_policy(policy: str, tmp: Path, redis_url: str, profiles: dict | None = None) -> str | None:

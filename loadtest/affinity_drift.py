@@ -211,25 +211,34 @@ def offline(args: argparse.Namespace, seed: int) -> list[dict]:
             candidates = [backends[i] for i in sorted(live)]
             while in_flight:
                 in_flight.popleft().in_flight -= 1
-            hits, names = [], []
+            hits, names, via = [], [], []
             for turn in workload.turns:
                 clock.now += 1.0 / args.rate
                 if len(in_flight) >= args.concurrency:
                     in_flight.popleft().in_flight -= 1
                 body = turn.body(workload.spec)
-                backend, _ = await policy.pick(candidates, parse_request(CHAT, orjson.dumps(body)), route)
+                backend, reason = await policy.pick(candidates, parse_request(CHAT, orjson.dumps(body)), route)
                 await policy.maintain()  # the packing repair runs to completion where it starts
                 backend.in_flight += 1
                 in_flight.append(backend)
                 names.append(backend.name)
+                via.append(reason)
                 hits.append(await caches.feed(backends.index(backend), body))
             results.append((ph, workload, list(range(len(workload.turns)))))
             mine.append(hits)
             served.append(names)
+            reasons.append(via)
 
+    reasons: list[list[str]] = []
     asyncio.run(route_all())
     bound = pooled(results, args)
-    return [summarize(ph, served[k], mine[k], bound[k], []) for k, (ph, _, _) in enumerate(results)]
+    out = []
+    for k, (ph, workload, _) in enumerate(results):
+        row = summarize(ph, served[k], mine[k], bound[k], [])
+        row["trace"] = [(t.tenant, t.turn, name, why, *m, b[0])
+                        for t, name, why, m, b in zip(workload.turns, served[k], reasons[k], mine[k], bound[k])]
+        out.append(row)
+    return out
 
 
 # -- live ------------------------------------------------------------------------------------------

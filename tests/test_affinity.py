@@ -973,6 +973,53 @@ def test_a_new_tenant_is_placed_where_the_guard_would_not_cap_its_first_request(
     assert policy.pins[pin][0] == (name,)
 
 
+def test_a_new_population_meets_a_guard_window_without_the_last_ones_traffic() -> None:
+    """The guard's window still held the last population's traffic when a new one came: a replica
+    that took much of its last stretch was capped for the new one's first requests (its hot
+    tenants were placed elsewhere, and it ran light for the phase), one that took little could take
+    much, and the new phase's max/mean carried the last one's. Once most requests come from
+    tenants that just arrived, the window keeps only theirs. A steady population never restarts it."""
+    bs = backends(4)
+    clock = ManualClock()
+    policy = PrefixAffinity(AffinityConfig(), timer=clock)
+    balance = policy.balance
+    assert balance is not None
+    old = [f"old tenant {i} " * 40 for i in range(8)]
+    drive(policy, bs, old, [1.0] * 8, 1600, clock=clock)
+    names, size, counts, *_ = balance.snapshot()[MODEL]
+    assert size == 800 and sum(counts) == 800  # full: the steady population did not restart it
+    home = bs[0]
+    for k in range(1000):  # the old population's last stretch all on `home`: it reaches its cap
+        if home.name in balance.full(MODEL, 1.0):
+            break
+        balance.check(MODEL, bs, home, pin_of(old[k % 8]), (), False, 1.0)
+    assert home.name in balance.full(MODEL, 1.0)
+    new = [f"new tenant {i} " * 40 for i in range(8)]
+    drive(policy, bs, new, [8, 4, 2, 1, 1, 1, 1, 1], 40, seed=1, clock=clock)
+    names, size, counts, *_ = balance.snapshot()[MODEL]
+    assert 20 <= size <= 40 and home.name not in balance.full(MODEL, 1.0)
+    assert counts[names.index(home.name)] <= 20  # only the new tenants' requests count
+    drive(policy, bs, new, [8, 4, 2, 1, 1, 1, 1, 1], 1600, seed=2, clock=clock)
+    assert balance.snapshot()[MODEL][1] == 800  # no second restart while the population stays
+
+
+def test_a_tenant_that_pauses_is_no_newcomer() -> None:
+    """A tenant back from idle within a few hundred requests is not counted as arrived (a hot tenant
+    silent for a short while is idle by its own rate): only a real newcomer signals a change."""
+    bs = backends(4)
+    clock = ManualClock()
+    policy = PrefixAffinity(AffinityConfig(), timer=clock)
+    tenants = [f"tenant {i} " * 40 for i in range(4)]
+    drive(policy, bs, tenants, [1.0] * 4, 600, clock=clock)
+    drive(policy, bs, tenants[1:], [1.0] * 3, 100, seed=1, clock=clock)  # tenant 0 idle (6 of its gaps)
+    assert policy.tenants.idle(pin_of(tenants[0]), policy.clock, clock.now)
+    pick(policy, bs, chat_request(tenants[0], "back"))
+    assert not policy.tenants.young(pin_of(tenants[0]), policy.clock)
+    fresh = "a tenant never seen " * 40
+    pick(policy, bs, chat_request(fresh, "hello"))
+    assert policy.tenants.young(pin_of(fresh), policy.clock)
+
+
 def test_with_several_proxies_a_newcomer_goes_where_the_others_newcomers_of_the_moment_likely_did_not() -> None:
     """When a population changes, every proxy places its share of the newcomers within the same
     milliseconds, before it sees the others' choices: deciding on the same counts, each stacked

@@ -67,7 +67,10 @@ age what other proxies published (at the observed request rate) and for Redis TT
 cache-room limit and the packing repair look at (its prompt is on its way out of the LRU caches),
 and when it returns it is placed anew by current load and room unless one of its replicas still
 has both. A tenant's share is estimated over the requests since it appeared, so a new tenant's
-share is right after a few dozen requests, not after a window's worth.
+share is right after a few dozen requests, not after a window's worth. When most of the last
+requests come from tenants that arrived within a few hundred requests, far more than usual, the
+population changed: the balance guard's window keeps only the new tenants' decisions (balance.py
+`restart`), so the last population's traffic neither caps nor frees a replica for the new one.
 
 **Fleet changes.** A replica that leaves takes its index entries with it and its tenants are
 re-homed (compare-and-set with Redis) on their next request, dropping it from their sets, so it

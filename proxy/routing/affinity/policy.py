@@ -22,7 +22,7 @@ from proxy.routing.affinity.placement import Placement
 from proxy.routing.affinity.repair import Repair
 from proxy.routing.affinity.store import LocalStore, SharedStore, TenantStore
 from proxy.routing.affinity.table import CHARS_PER_TOKEN, TenantTable
-from proxy.routing.affinity.tenants import TenantStats
+from proxy.routing.affinity.tenants import TURNOVER_HIGH, TenantStats
 from proxy.shared import SharedState
 
 log: Final = logging.getLogger("vllm_proxy.affinity")
@@ -197,6 +197,10 @@ class PrefixAffinity:
         tenants.note(self._due_pin, now, self._due_returning)
         if len(tenants.rate.scaled) > self.table.forget_at:
             self.table.forget(now)
+        balance = self.balance
+        if balance is not None and tenants.turnover >= TURNOVER_HIGH and tenants.changed():
+            log.info("the tenants changed: the balance guard starts its windows anew")
+            balance.restart(lambda pin: tenants.young(pin, now))
         if chain:
             # a slower replica's entries are sized like its scraped cache, so that the index knows
             # when a tenant's prompt left it (proxy/routing/affinity/placement.py: `_off_slower`)

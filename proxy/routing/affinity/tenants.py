@@ -29,16 +29,26 @@ _PRESENT_GAPS: Final = 3.0  # the packing repair weighs a tenant silent for more
 # each use of them is guarded by a confidence bound on the requests they rest on
 _FAST: Final = 30.0
 _SHIFTED_SIGMAS: Final = 3.0  # a share over the short window this far from the long one means the tenant changed
+# A population change: most of the last decisions' tenants appeared (or came back from idle) within
+# _YOUNG requests, far more than usual. The turnover is averaged over ~_TURNOVER_FAST decisions here
+# (detected after ~10-15 of a new population's, at 1 to 3 proxies), its usual level over ~_TURNOVER_SLOW
+_YOUNG: Final = 400.0
+_TURNOVER_FAST: Final = 16.0
+_TURNOVER_SLOW: Final = 1000.0
+TURNOVER_HIGH: Final = 0.6  # the turnover that marks a change ...
+_TURNOVER_RISE: Final = 0.4  # ... when this far above its usual level,
+_TURNOVER_REARM: Final = 0.3  # and once it was below this since the last change
 
 
 class Seen:
     """What `TenantStats` remembers of a tenant besides its counts (a mutable record: compiled, its
     fields are unboxed, and a request updates it in place instead of building a tuple)."""
 
-    __slots__ = ("first", "last", "low", "before", "before_fast")
+    __slots__ = ("first", "last", "low", "before", "before_fast", "arrived")
 
     def __init__(self, first: float, before: float, before_fast: float) -> None:
         self.first = first  # its first request (policy clock)
+        self.arrived = first  # ... unless it was idle less than _YOUNG requests before (`young`)
         self.last = first  # its last request
         self.low = 0.0  # a low estimate of its share at the last
         self.before = before  # decayed requests before its first, in `rate`
@@ -59,6 +69,10 @@ class TenantStats:
         # the same over a thirtieth of the window: a tenant turning hot or cold shows here first
         self.fast = DecayedCounts(window / _FAST, 0.0)
         self.seen: dict[int, Seen] = {}
+        # share of the last decisions whose tenant is young, recently and usually (`changed`)
+        self.turnover = 0.0
+        self.turnover_usual = 0.0
+        self._armed = True
 
     def note(self, pin: int, now: float, returning: bool) -> None:
         """Count this request for its tenant and remember when it was seen, with a low estimate
@@ -66,11 +80,14 @@ class TenantStats:
         rates, fast, seen = self.rate, self.fast, self.seen
         up, up_fast = rates.factor(now), fast.factor(now)
         rscaled, fscaled = rates.scaled, fast.scaled
-        stats = None if returning else seen.get(pin)
+        old = seen.get(pin)
+        stats = None if returning else old
         if stats is None:  # (again) new: its old rate says nothing now
             rscaled.pop(pin, None)
             fscaled.pop(pin, None)
             seen[pin] = stats = Seen(now, rscaled.get(None, 0.0) / up, fscaled.get(None, 0.0) / up_fast)
+            if old is not None and now - old.last < _YOUNG:  # (a pause, not a new arrival)
+                stats.arrived = old.arrived
         rates.count(pin, up)
         fast.count(pin, up_fast)
         whole = rscaled[None]
@@ -80,6 +97,23 @@ class TenantStats:
         low = mine - _IDLE_SIGMAS * math.sqrt(mine)
         stats.low = (0.0 if 0.0 > low else low) * up / total  # (max(low, 0.0) without the call)
         stats.last = now
+        young = 1.0 if now - stats.arrived < _YOUNG else 0.0
+        self.turnover += (young - self.turnover) / _TURNOVER_FAST
+        self.turnover_usual += (young - self.turnover_usual) / _TURNOVER_SLOW
+        if self.turnover < _TURNOVER_REARM:
+            self._armed = True
+
+    def young(self, pin: int, now: float) -> bool:
+        """The tenant appeared (or came back from idle) within `_YOUNG` requests."""
+        seen = self.seen.get(pin)
+        return seen is not None and now - seen.arrived < _YOUNG
+
+    def changed(self) -> bool:
+        """The population changed (`_YOUNG`): True once, then not before the turnover fell again."""
+        if self._armed and self.turnover >= TURNOVER_HIGH and self.turnover - self.turnover_usual >= _TURNOVER_RISE:
+            self._armed = False
+            return True
+        return False
 
     def idle(self, pin: int, now: float, wall: float) -> bool:
         """No request of this tenant for 6 of its mean gaps (as this proxy sees them: 1/N of its

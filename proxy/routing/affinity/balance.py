@@ -37,9 +37,9 @@ When the tenants change (most of the last requests come from tenants that just a
 proxy/routing/affinity/tenants.py `changed`) it keeps only the new tenants' decisions (`restart`):
 held to the last population's traffic, a replica that took much of its final stretch was capped
 for the new one's first requests, where its hot tenants are placed, and ran light all phase, while
-one that took little could take much. Three proxies at 10x the rate, 800-request phases, 3 runs of
-seeds 0-7: 3 of 144 cells over 1.10 max/mean (all `swap` or `join`, where the tenants stay), against
-14 of 240 before; one proxy 600-request phases offline: 19 of 96 against 39.
+one that took little could take much. Three proxies at 10x the rate, 800-request phases, 5 runs of
+seeds 0-7: 5 of 240 cells over 1.10 max/mean (`swap` and `join`, where the tenants stay, and one
+fresh start), against 14 of 240 before; one proxy, 600-request phases, offline: 19 of 96 against 39.
 
 The window bounds one length of stretch: its own. Over a shorter one a replica that ran light
 earlier in the window may take what it did not (credit): with phases of 400 requests on 4

@@ -211,19 +211,20 @@ class Balance:
             tenants.popleft()
         return chosen, capped
 
-    def restart(self, current: Callable[[int], bool]) -> None:
+    def restart(self, current: Callable[[int], bool]) -> int:
         """Keep in each window only the decisions for `current` tenants (the stretch bound's walks
         go on): the tenants changed (proxy/routing/affinity/tenants.py `changed`). A window full of
         the last population's traffic held a replica that took much of its final requests to few
         of the new one's first (the new hot tenants were placed elsewhere) and let one that took
-        few take many: each phase's max/mean carried the last one's."""
+        few take many: each phase's max/mean carried the last one's. Returns how many windows restarted."""
+        restarted = 0
         for window in self._routes.values():
             # (among its last decisions: the change was seen within a few dozen of them)
-            last = len(window.recent) - _RESTART_KEEPS
-            kept = [(name, pin) for k, (name, pin) in enumerate(zip(window.recent, window.tenants))
-                    if k >= last and current(pin)]
+            tail = list(zip(window.recent, window.tenants))[-_RESTART_KEEPS:]
+            kept = [(name, pin) for name, pin in tail if current(pin)]
             if len(kept) == len(window.recent):  # (a fresh start's: it holds only the new tenants)
                 continue
+            restarted += 1
             window.recent = deque(name for name, _ in kept)
             window.tenants = deque(pin for _, pin in kept)
             counts = window.counts
@@ -233,6 +234,7 @@ class Balance:
                 counts[name] += 1
             window.filling = 0.0  # (not a fresh start: the cap is the real one as it fills)
             window.published = -1
+        return restarted
 
     def full(self, route: str, proxies: float) -> tuple[str, ...]:
         """The route's replicas that would cap a new conversation now (by the window or the stretch

@@ -22,7 +22,7 @@ from proxy.routing.affinity.placement import Placement
 from proxy.routing.affinity.repair import Repair
 from proxy.routing.affinity.store import LocalStore, SharedStore, TenantStore
 from proxy.routing.affinity.table import CHARS_PER_TOKEN, TenantTable
-from proxy.routing.affinity.tenants import TURNOVER_HIGH, TenantStats
+from proxy.routing.affinity.tenants import TenantStats
 from proxy.shared import SharedState
 
 log: Final = logging.getLogger("vllm_proxy.affinity")
@@ -198,9 +198,8 @@ class PrefixAffinity:
         if len(tenants.rate.scaled) > self.table.forget_at:
             self.table.forget(now)
         balance = self.balance
-        if balance is not None and tenants.turnover >= TURNOVER_HIGH and tenants.changed():
+        if balance is not None and tenants.changed() and balance.restart(lambda pin: tenants.young(pin, now)):
             log.info("the tenants changed: the balance guard starts its windows anew")
-            balance.restart(lambda pin: tenants.young(pin, now))
         if chain:
             # a slower replica's entries are sized like its scraped cache, so that the index knows
             # when a tenant's prompt left it (proxy/routing/affinity/placement.py: `_off_slower`)

@@ -35,7 +35,7 @@ _SHIFTED_SIGMAS: Final = 3.0  # a share over the short window this far from the 
 _YOUNG: Final = 400.0
 _TURNOVER_FAST: Final = 16.0
 _TURNOVER_SLOW: Final = 1000.0
-TURNOVER_HIGH: Final = 0.6  # the turnover that marks a change ...
+_TURNOVER_HIGH: Final = 0.6  # the turnover that marks a change ...
 _TURNOVER_RISE: Final = 0.4  # ... when this far above its usual level,
 _TURNOVER_REARM: Final = 0.3  # and once it was below this since the last change
 
@@ -110,7 +110,7 @@ class TenantStats:
 
     def changed(self) -> bool:
         """The population changed (`_YOUNG`): True once, then not before the turnover fell again."""
-        if self._armed and self.turnover >= TURNOVER_HIGH and self.turnover - self.turnover_usual >= _TURNOVER_RISE:
+        if self._armed and self.turnover >= _TURNOVER_HIGH and self.turnover - self.turnover_usual >= _TURNOVER_RISE:
             self._armed = False
             return True
         return False

@@ -175,6 +175,13 @@ def summarize(ph: Phase, served: list[str], mine: list[tuple[int, int]], bound: 
             "errors": errors}
 
 
+def trace(turns: list, picks: list[tuple[str, str]], mine: list[tuple[int, int]],
+          bound: list[tuple[int, int]]) -> list[tuple]:
+    """Per request in send order (in --json only): tenant, turn, replica, the policy's reason, cached
+    and queried tokens there, cached tokens of the pooled bound."""
+    return [(t.tenant, t.turn, name, why, *m, b[0]) for t, (name, why), m, b in zip(turns, picks, mine, bound)]
+
+
 # -- offline ---------------------------------------------------------------------------------------
 def offline(args: argparse.Namespace, seed: int) -> list[dict]:
     from loadtest.affinity_replay import SimulatedClock
@@ -198,6 +205,7 @@ def offline(args: argparse.Namespace, seed: int) -> list[dict]:
     results: list[tuple[Phase, Workload, list[int]]] = []
     mine: list[list[tuple[int, int]]] = []
     served: list[list[str]] = []
+    reasons: list[list[str]] = []
     # (no exchange runs here to release a coalescing leader: requests are routed, never sent)
     policy = PrefixAffinity(AffinityConfig(**{"coalesce_wait_s": 0.0, **json.loads(args.knobs)}), timer=clock)
     in_flight: deque[Backend] = deque()
@@ -229,14 +237,12 @@ def offline(args: argparse.Namespace, seed: int) -> list[dict]:
             served.append(names)
             reasons.append(via)
 
-    reasons: list[list[str]] = []
     asyncio.run(route_all())
     bound = pooled(results, args)
     out = []
     for k, (ph, workload, _) in enumerate(results):
         row = summarize(ph, served[k], mine[k], bound[k], [])
-        row["trace"] = [(t.tenant, t.turn, name, why, *m, b[0])
-                        for t, name, why, m, b in zip(workload.turns, served[k], reasons[k], mine[k], bound[k])]
+        row["trace"] = trace(workload.turns, list(zip(served[k], reasons[k])), mine[k], bound[k])
         out.append(row)
     return out
 
@@ -325,13 +331,10 @@ def live(args: argparse.Namespace, seed: int, policy: str, routers: int, tmp: Pa
     out = []
     for k, (ph, workload, order) in enumerate(results):
         load = loads[k]
-        served = [load.served.get(i, ("", ""))[0] for i in order]
+        picks = [load.served.get(i, ("", "")) for i in order]
         mine = [load.cached.get(i, (0, 0)) for i in order]
-        row = summarize(ph, served, mine, bound[k], load.ttft, load.errors, counted[k])
-        # (in --json only) per request in send order: tenant, turn, replica, via, cached and queried
-        # tokens there, cached tokens of the pooled bound
-        row["trace"] = [(workload.turns[i].tenant, workload.turns[i].turn, *load.served.get(i, ("", "")), *m, b[0])
-                        for i, m, b in zip(order, mine, bound[k])]
+        row = summarize(ph, [name for name, _ in picks], mine, bound[k], load.ttft, load.errors, counted[k])
+        row["trace"] = trace([workload.turns[i] for i in order], picks, mine, bound[k])
         out.append(row)
     return out
 

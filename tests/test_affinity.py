@@ -1003,6 +1003,51 @@ def test_a_new_population_meets_a_guard_window_without_the_last_ones_traffic() -
     assert balance.snapshot()[MODEL][1] == 800  # no second restart while the population stays
 
 
+def test_a_new_population_is_placed_by_where_its_own_traffic_goes() -> None:
+    """Where the last population's requests went says nothing about where the new one's will: a
+    replica its tenants kept busy scored as loaded after they left, and the newcomers went around
+    it. Once most requests come from tenants that just arrived, the recent loads placement scores
+    by count only theirs; a steady population never restarts them."""
+    bs = backends(4)
+    clock = ManualClock()
+    policy = PrefixAffinity(AffinityConfig(), timer=clock)
+    view = policy.view
+    old = [f"old tenant {i} " * 40 for i in range(8)]
+    drive(policy, bs, old, [1.0] * 8, 1600, clock=clock)
+    assert sum(view.recent_loads(bs)) > 200  # a quarter load window: not restarted by a steady population
+    for _ in range(300):  # the old population's last stretch all on gpu-0
+        view.count(bs[0].name, policy.clock)
+    assert view.recent_loads(bs)[0] > 200
+    new = [f"new tenant {i} " * 40 for i in range(8)]
+    drive(policy, bs, new, [8, 4, 2, 1, 1, 1, 1, 1], 40, seed=1, clock=clock)
+    recent = view.recent_loads(bs)
+    assert sum(recent) <= 40 and recent[0] <= 20  # only the newcomers' requests count
+
+
+def test_the_packing_repair_weighs_tenants_by_their_part_of_the_last_decisions() -> None:
+    """The weights the repair plans with sum to the traffic: a newcomer weighs its part of the
+    balance guard's window (its first request is one decision of it, not "all the traffic since
+    it appeared": after a new population of 80 tenants the weights summed to 1.3-3.6 of the
+    traffic, and the repair moved tenants onto the replicas the cap held back), and a tenant
+    among none of the last decisions weighs nothing."""
+    bs = backends(4)
+    clock = ManualClock()
+    policy = PrefixAffinity(AffinityConfig(), timer=clock)
+    gone = "a tenant that leaves " * 40
+    others = [f"tenant {i} " * 40 for i in range(6)]
+    drive(policy, bs, [gone] + others, [1.0] * 7, 800, clock=clock)
+    drive(policy, bs, others, [1.0] * 6, 800, seed=1, clock=clock)
+    newcomer = "a tenant never seen " * 40
+    pick(policy, bs, chat_request(newcomer, "hello"))
+    now, tenants = policy.clock, policy.tenants
+    assert tenants.current(pin_of(newcomer), now) > 0.9  # by its rate: one request of one since it appeared
+    share = asyncio.run(policy.repair.shares(now))
+    assert share(pin_of(gone)) == 0.0 and share(pin_of(newcomer)) < 0.01
+    assert 0.85 <= sum(share(pin) for pin in policy.pins) <= 1.1
+    by_rates = sum(tenants.current(pin, now) * tenants.presence(pin, now) for pin in policy.pins)
+    assert by_rates > 1.5
+
+
 def test_a_tenant_that_pauses_is_no_newcomer() -> None:
     """A tenant back from idle within a few hundred requests is not counted as arrived (a hot tenant
     silent for a short while is idle by its own rate): only a real newcomer signals a change."""

@@ -43,9 +43,11 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    repair** (proxy/routing/packing.py, run in the background: repair.py) makes up to two changes, each a move
    of a single-replica tenant, a swap of two, or (while some replica runs slower) one member of a
    multi-replica set replaced in place (alone or in a swap), that spread the prompts evenly over
-   the caches without pushing traffic past (1 + eps/2) x mean. With Redis one proxy at a time
-   plans (a lease it renews), so a single estimate of the tenants' shares decides, and it writes
-   by compare-and-set on the shared table.
+   the caches without pushing traffic past (1 + eps/2) x mean. It weighs a tenant that arrived
+   within a few hundred requests by its part of the balance guard's window, not by its rate
+   since it appeared (repair.py `shares`). With Redis one proxy at a time plans (a lease it
+   renews), so a single estimate of the tenants' shares decides, and it writes by
+   compare-and-set on the shared table.
 
 The bound (consistent hashing with bounded loads, Mirrokni et al. 2017) applies to a
 **smoothed** load: the exponentially decayed count of requests routed to each replica summed over
@@ -70,7 +72,8 @@ has both. A tenant's share is estimated over the requests since it appeared, so 
 share is right after a few dozen requests, not after a window's worth. When most of the last
 requests come from tenants that arrived within a few hundred requests, far more than usual, the
 population changed: the balance guard's window keeps only the new tenants' decisions (balance.py
-`restart`), so the last population's traffic neither caps nor frees a replica for the new one.
+`restart`), so the last population's traffic neither caps nor frees a replica for the new one,
+and the recent loads that place newcomers start anew (load.py `restart`).
 
 **Fleet changes.** A replica that leaves takes its index entries with it and its tenants are
 re-homed (compare-and-set with Redis) on their next request, dropping it from their sets, so it

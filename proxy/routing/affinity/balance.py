@@ -236,6 +236,17 @@ class Balance:
             window.published = -1
         return restarted
 
+    def recent_counts(self) -> tuple[dict[int, float], float]:
+        """Each tenant's decisions in this proxy's windows (every route's), and all of them: what
+        the packing repair weighs a newcomer by (Repair `shares`)."""
+        counts: dict[int, float] = {}
+        total = 0
+        for window in self._routes.values():
+            for pin in window.tenants:
+                counts[pin] = counts.get(pin, 0.0) + 1.0
+            total += len(window.tenants)
+        return counts, float(total)
+
     def full(self, route: str, proxies: float) -> tuple[str, ...]:
         """The route's replicas that would cap a new conversation now (by the window or the stretch
         bound), unless all would: a new tenant is placed elsewhere. Placed by its load and cache

@@ -145,6 +145,17 @@ class LoadView:
         qcap = math.ceil((1.0 + self.epsilon) * (in_flight + 1) / n) + self.queue_slack
         return rates, flights, mean, cap, qcap
 
+    def restart(self, now: float) -> None:
+        """The tenants changed (proxy/routing/affinity/tenants.py `changed`): where traffic went
+        of late starts from nothing, as at a fresh start, so newcomers are placed by where the new
+        population's traffic goes. Where the last one's went says nothing about that: a replica
+        its hot tenants had kept busy scored as loaded for a quarter load window after they left,
+        so the newcomers went around it; it ran light while the others met the balance guard's
+        cap, which sent their newcomers' conversations to replicas without their prompt. (The
+        smoothed load the bound applies to is shared with the other proxies and sets the proxies
+        estimate: it forgets at its own pace.)"""
+        self.recent = DecayedCounts(self.config.load_window_requests / 4, now)
+
     def recent_loads(self, candidates: Sequence[Backend]) -> list[float]:
         """Requests this proxy routed to each candidate over the last quarter load window (ramped
         up for a replica that joined, as `smoothed`): where traffic goes now."""

@@ -22,7 +22,7 @@ from proxy.routing.affinity.placement import Placement
 from proxy.routing.affinity.repair import Repair
 from proxy.routing.affinity.store import LocalStore, SharedStore, TenantStore
 from proxy.routing.affinity.table import CHARS_PER_TOKEN, TenantTable
-from proxy.routing.affinity.tenants import TenantStats
+from proxy.routing.affinity.tenants import YOUNG, TenantStats
 from proxy.shared import SharedState
 
 log: Final = logging.getLogger("vllm_proxy.affinity")
@@ -57,11 +57,12 @@ class PrefixAffinity:
         self.view = LoadView(config, shared, timer.time)
         self.tenants = TenantStats(config, self.view, self.pins)
         self.table = TenantTable(config, self.store, self.tenants, timer.time)
-        self.repair = Repair(config, self.view, self.tenants, self.table, self.store, timer.time)
         self.balance = (Balance(config.balance_window_requests, config.balance_epsilon, config.continuation_slack,
                                 config.speed_balance, shared, timer.time, config.speed_balance_epsilon,
                                 config.balance_burst)
                         if config.balance_window_requests else None)
+        self.repair = Repair(config, self.view, self.tenants, self.table, self.store, timer.time,
+                             self.balance.recent_counts if self.balance is not None else None)
         if shared is not None and self.balance is not None:
             shared.local_guard, shared.adopt_overflows = self.balance.snapshot, self.balance.adopt
         self.coalescer = None
@@ -198,8 +199,11 @@ class PrefixAffinity:
         if len(tenants.rate.scaled) > self.table.forget_at:
             self.table.forget(now)
         balance = self.balance
-        if balance is not None and tenants.changed() and balance.restart(lambda pin: tenants.young(pin, now)):
-            log.info("the tenants changed: the balance guard starts its windows anew")
+        # (a fresh start's first tenants change nothing: all this proxy counted is theirs)
+        if tenants.changed() and now >= YOUNG:
+            self.view.restart(now)
+            if balance is not None and balance.restart(lambda pin: tenants.young(pin, now)):
+                log.info("the tenants changed: the balance guard starts its windows anew")
         if chain:
             # a slower replica's entries are sized like its scraped cache, so that the index knows
             # when a tenant's prompt left it (proxy/routing/affinity/placement.py: `_off_slower`)

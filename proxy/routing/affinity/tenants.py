@@ -30,9 +30,9 @@ _PRESENT_GAPS: Final = 3.0  # the packing repair weighs a tenant silent for more
 _FAST: Final = 30.0
 _SHIFTED_SIGMAS: Final = 3.0  # a share over the short window this far from the long one means the tenant changed
 # A population change: most of the last decisions' tenants appeared (or came back from idle) within
-# _YOUNG requests, far more than usual. The turnover is averaged over ~_TURNOVER_FAST decisions here
+# YOUNG requests, far more than usual. The turnover is averaged over ~_TURNOVER_FAST decisions here
 # (detected after ~10-15 of a new population's, at 1 to 3 proxies), its usual level over ~_TURNOVER_SLOW
-_YOUNG: Final = 400.0
+YOUNG: Final = 400.0
 _TURNOVER_FAST: Final = 16.0
 _TURNOVER_SLOW: Final = 1000.0
 _TURNOVER_HIGH: Final = 0.6  # the turnover that marks a change ...
@@ -48,7 +48,7 @@ class Seen:
 
     def __init__(self, first: float, before: float, before_fast: float) -> None:
         self.first = first  # its first request (policy clock)
-        self.arrived = first  # ... unless it was idle less than _YOUNG requests before (`young`)
+        self.arrived = first  # ... unless it was idle less than YOUNG requests before (`young`)
         self.last = first  # its last request
         self.low = 0.0  # a low estimate of its share at the last
         self.before = before  # decayed requests before its first, in `rate`
@@ -86,7 +86,7 @@ class TenantStats:
             rscaled.pop(pin, None)
             fscaled.pop(pin, None)
             seen[pin] = stats = Seen(now, rscaled.get(None, 0.0) / up, fscaled.get(None, 0.0) / up_fast)
-            if old is not None and now - old.last < _YOUNG:  # (a pause, not a new arrival)
+            if old is not None and now - old.last < YOUNG:  # (a pause, not a new arrival)
                 stats.arrived = old.arrived
         rates.count(pin, up)
         fast.count(pin, up_fast)
@@ -97,19 +97,19 @@ class TenantStats:
         low = mine - _IDLE_SIGMAS * math.sqrt(mine)
         stats.low = (0.0 if 0.0 > low else low) * up / total  # (max(low, 0.0) without the call)
         stats.last = now
-        young = 1.0 if now - stats.arrived < _YOUNG else 0.0
+        young = 1.0 if now - stats.arrived < YOUNG else 0.0
         self.turnover += (young - self.turnover) / _TURNOVER_FAST
         self.turnover_usual += (young - self.turnover_usual) / _TURNOVER_SLOW
         if self.turnover < _TURNOVER_REARM:
             self._armed = True
 
     def young(self, pin: int, now: float) -> bool:
-        """The tenant appeared (or came back from idle) within `_YOUNG` requests."""
+        """The tenant appeared (or came back from idle) within `YOUNG` requests."""
         seen = self.seen.get(pin)
-        return seen is not None and now - seen.arrived < _YOUNG
+        return seen is not None and now - seen.arrived < YOUNG
 
     def changed(self) -> bool:
-        """The population changed (`_YOUNG`): True once, then not before the turnover fell again."""
+        """The population changed (`YOUNG`): True once, then not before the turnover fell again."""
         if self._armed and self.turnover >= _TURNOVER_HIGH and self.turnover - self.turnover_usual >= _TURNOVER_RISE:
             self._armed = False
             return True

@@ -121,12 +121,13 @@ class Repair:
         """The weight of each tenant's traffic in the plan: its share over all proxies (this
         proxy's rates and the others' published ones), weighed down as it falls silent
         (`presence`). With the balance guard, a tenant among none of this proxy's last decisions
-        weighs nothing, and one that arrived within a few hundred requests weighs its part of
-        them: its rate, counted since it appeared, makes one request in ten since then 10 % of
-        the traffic. After a new population of 80 small tenants the weights summed to 1.3-3.6
-        of the traffic, and the repair moved tenants onto the replicas the cap held back (later
-        populations 0.972 of the pooled bound on average, 24 of 64 phases under 0.97, against
-        0.980 and 5 so: docs/BENCHMARKS.md)."""
+        weighs nothing (it still holds cache room), and one that arrived within a few hundred
+        requests weighs its part of them: its rate, counted since it appeared, makes one request
+        in ten since then 10 % of the traffic. After a new population of 80 small tenants the
+        weights summed to 1.3-3.6 of the traffic, and the repair moved tenants onto the replicas
+        the cap held back (`loadtest.affinity_drift --sequence small --offline`, 32 seeds: the
+        later populations 0.972 of the pooled bound on average, 24 of 64 phases under 0.97,
+        against 0.980 and 7 with the recent loads' restart: docs/BENCHMARKS.md)."""
         tenants = self.tenants
         rate = tenants.fleet_share(now, await self.store.other_tenants())
         counts, decided = self.recent() if self.recent is not None else ({}, 0.0)

@@ -1029,7 +1029,7 @@ def test_the_packing_repair_weighs_tenants_by_their_part_of_the_last_decisions()
     balance guard's window (its first request is one decision of it, not "all the traffic since
     it appeared": after a new population of 80 tenants the weights summed to 1.3-3.6 of the
     traffic, and the repair moved tenants onto the replicas the cap held back), and a tenant
-    among none of the last decisions weighs nothing."""
+    that left weighs nothing."""
     bs = backends(4)
     clock = ManualClock()
     policy = PrefixAffinity(AffinityConfig(), timer=clock)
@@ -1042,7 +1042,7 @@ def test_the_packing_repair_weighs_tenants_by_their_part_of_the_last_decisions()
     now, tenants = policy.clock, policy.tenants
     assert tenants.current(pin_of(newcomer), now) > 0.9  # by its rate: one request of one since it appeared
     share = asyncio.run(policy.repair.shares(now))
-    assert share(pin_of(gone)) == 0.0 and share(pin_of(newcomer)) < 0.01
+    assert share(pin_of(gone)) < 1e-6 and share(pin_of(newcomer)) < 0.01
     assert 0.85 <= sum(share(pin) for pin in policy.pins) <= 1.1
     by_rates = sum(tenants.current(pin, now) * tenants.presence(pin, now) for pin in policy.pins)
     assert by_rates > 1.5

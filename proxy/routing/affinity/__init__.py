@@ -43,9 +43,9 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    repair** (proxy/routing/packing.py, run in the background: repair.py) makes up to two changes, each a move
    of a single-replica tenant, a swap of two, or (while some replica runs slower) one member of a
    multi-replica set replaced in place (alone or in a swap), that spread the prompts evenly over
-   the caches without pushing traffic past (1 + eps/2) x mean. It weighs a tenant that arrived
-   within a few hundred requests by its part of the balance guard's window, not by its rate
-   since it appeared (repair.py `shares`). With Redis one proxy at a time plans (a lease it
+   the caches without pushing traffic past (1 + eps/2) x mean. With the balance guard, it weighs
+   a tenant that arrived within a few hundred requests by its part of the guard's window, not by
+   its rate since it appeared (repair.py `shares`). With Redis one proxy at a time plans (a lease it
    renews), so a single estimate of the tenants' shares decides, and it writes by
    compare-and-set on the shared table.
 

@@ -27,6 +27,7 @@ log = logging.getLogger("vllm_proxy.affinity")
 _SPILL_REPAIR = 40.0  # a spill or a fleet change brings the repair forward to at most this many requests away
 _MIN_ROOM = 0.05  # least part of a cache counted as room for prompts
 _SETTLED = 12.0  # requests of a tenant (decayed, over all proxies) before the repair trusts its share
+_COUNTED_MIN = 100.0  # decisions in this proxy's windows below which a newcomer's part of them is noise (`shares`)
 _SLOWER_HELD = 0.9  # most prompts a slower replica's fair part holds, in parts of what its cache keeps
 
 
@@ -120,26 +121,23 @@ class Repair:
     async def shares(self, now: float) -> Callable[[int], float]:
         """The weight of each tenant's traffic in the plan: its share over all proxies (this
         proxy's rates and the others' published ones), weighed down as it falls silent
-        (`presence`). With the balance guard, a tenant among none of this proxy's last decisions
-        weighs nothing (it still holds cache room), and one that arrived within a few hundred
-        requests weighs its part of them: its rate, counted since it appeared, makes one request
-        in ten since then 10 % of the traffic. After a new population of 80 small tenants the
-        weights summed to 1.3-3.6 of the traffic, and the repair moved tenants onto the replicas
-        the cap held back (`loadtest.affinity_drift --sequence small --offline`, 32 seeds: the
-        later populations 0.972 of the pooled bound on average, 24 of 64 phases under 0.97,
-        against 0.980 and 7 with the recent loads' restart: docs/BENCHMARKS.md)."""
+        (`presence`). With the balance guard, once this proxy's windows hold _COUNTED_MIN
+        decisions, a tenant that arrived within a few hundred requests weighs its part of them
+        instead: its rate, counted since it appeared, makes one request in ten since then 10 % of
+        the traffic. After a new population of 80 small tenants the weights summed to 1.3-3.6
+        of the traffic, and the repair moved tenants onto the replicas the cap held back
+        (`loadtest.affinity_drift --sequence small --offline`, 32 seeds: the later populations
+        0.972 of the pooled bound on average, 24 of 64 phases under 0.97, against 0.979 and 9
+        with the recent loads' restart: docs/BENCHMARKS.md)."""
         tenants = self.tenants
         rate = tenants.fleet_share(now, await self.store.other_tenants())
         counts, decided = self.recent() if self.recent is not None else ({}, 0.0)
-        if decided <= 0.0:
+        if decided < _COUNTED_MIN:
             return lambda pin: rate(pin) * tenants.presence(pin, now)
 
         def share(pin: int) -> float:
-            mine = counts.get(pin, 0.0)
-            if mine <= 0.0:
-                return 0.0
             if tenants.young(pin, now):
-                return mine / decided
+                return counts.get(pin, 0.0) / decided
             return rate(pin) * tenants.presence(pin, now)
 
         return share

@@ -132,11 +132,10 @@ class Repair:
         tenants = self.tenants
         rate = tenants.fleet_share(now, await self.store.other_tenants())
         counts, decided = self.recent() if self.recent is not None else ({}, 0.0)
-        if decided < _COUNTED_MIN:
-            return lambda pin: rate(pin) * tenants.presence(pin, now)
+        counted = decided >= _COUNTED_MIN
 
         def share(pin: int) -> float:
-            if tenants.young(pin, now):
+            if counted and tenants.young(pin, now):
                 return counts.get(pin, 0.0) / decided
             return rate(pin) * tenants.presence(pin, now)
 

@@ -922,7 +922,8 @@ def test_near_its_cap_a_new_conversation_goes_where_its_prompt_is_cached_and_oth
 def test_a_tenant_the_guard_caps_twice_grows_by_its_overflow_replica_if_its_traffic_is_large() -> None:
     """The guard overflowing a tenant's requests one at a time scatters its prompt; a tenant capped
     a second time (its traffic, not chance) whose share is a large part of its replicas grows its
-    set by the replica it overflowed to; a small one does not."""
+    set by the replica it overflowed to; a small one does not, unless prompts are small beside the
+    caches: then its traffic pays for the room its copy takes."""
     from proxy.routing.affinity.balance import Balance
 
     bs = backends(4)
@@ -940,12 +941,19 @@ def test_a_tenant_the_guard_caps_twice_grows_by_its_overflow_replica_if_its_traf
     policy = PrefixAffinity(AffinityConfig(), timer=clock)
     tenants = [f"tenant g{i} " * 40 for i in range(6)]
     drive(policy, bs, tenants, [5, 1, 1, 1, 1, 1], 400)
-    for system, grows in ((tenants[0], True), (tenants[1], False)):
+    def overflow(system: str) -> bool:
         pin = pin_of(system)
         home = policy.pins[pin][0][:1]
-        other = next(n for n in names if n not in policy.pins[pin][0])
+        other = next(b for b in bs if b.name not in policy.pins[pin][0])
         policy.placement.overflowed(pin, home, other, len(bs), policy.clock)
-        assert (policy.pins[pin][0] == home + (other,)) is grows
+        return policy.pins[pin][0] == home + (other.name,)
+
+    assert overflow(tenants[0]) and not overflow(tenants[1])  # caches not scraped yet: 0.75 of its set
+    # caches that keep 40 such prompts each: a tenth of the traffic is worth a copy
+    fill = AffinityConfig().cache_fill
+    for b in bs:
+        b.cache_tokens = int(40 * policy.table.prompt_chars / (4 * fill)) + 1
+    assert overflow(tenants[1])
 
 
 def test_a_new_tenant_is_placed_where_the_guard_would_not_cap_its_first_request() -> None:

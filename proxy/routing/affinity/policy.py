@@ -169,7 +169,7 @@ class PrefixAffinity:
             if capped:
                 reason = "balance"
                 if entry is not None and chosen.name not in entry[0] and self.balance.settled(route.name, pin):
-                    self.placement.overflowed(pin, entry[0], chosen.name, len(candidates), now)
+                    self.placement.overflowed(pin, entry[0], chosen, len(candidates), now)
         self._due = chosen
         self._due_pin = pin
         self._due_now = now

@@ -15,8 +15,8 @@ heterogeneous fleet: 88 overflows against 24 on replicas alike). A request whose
 break that goes to a replica of its tenant's set under the cap, else to the replica this tenant
 overflowed to last (so its prompt is cached in one more place, not scattered; first where the
 prefix index says its prompt is), else to the replica with the fewest. A tenant capped twice
-whose traffic is a large part of its replicas grows by the overflow replica (`settled`,
-placement.py `overflowed`).
+whose traffic is a large part of its replicas, or pays for the room a copy of its prompt takes,
+grows by the overflow replica (`settled`, placement.py `overflowed`).
 A continuation is allowed `continuation_slack` more (its own turns are cached where it goes).
 Within `_NEAR` requests of the cap, a new conversation whose prompt the prefix index places on a
 replica well under its own cap goes there instead: the cap then meets fewer requests whose prompt

@@ -950,9 +950,11 @@ def test_a_tenant_the_guard_caps_twice_grows_by_its_overflow_replica_if_its_traf
 
     assert overflow(tenants[0]) and not overflow(tenants[1])  # caches not scraped yet: 0.75 of its set
     # caches that keep 40 such prompts each: a tenth of the traffic is worth a copy
+    from proxy.routing.affinity.table import CHARS_PER_TOKEN
+
     fill = AffinityConfig().cache_fill
     for b in bs:
-        b.cache_tokens = int(40 * policy.table.prompt_chars / (4 * fill)) + 1
+        b.cache_tokens = int(40 * policy.table.prompt_chars / (CHARS_PER_TOKEN * fill)) + 1
     assert overflow(tenants[1])
 
 

@@ -1104,3 +1104,26 @@ def test_with_several_proxies_a_newcomer_goes_where_the_others_newcomers_of_the_
     burst = newcomers(3.0, 2)
     assert burst[0] == "gpu-0" and burst[1] != "gpu-0"  # three: its first stands for three
     assert newcomers(3.0, 1, then_s=1.0)[1] == "gpu-0"  # a moment later the others' placements are known
+
+
+def test_at_its_cap_the_guard_turns_away_a_request_cached_elsewhere_rather_than_one_cached_nowhere_else() -> None:
+    """A replica at its cap: a request whose tenant's prompt is cached only there passes (lent, a
+    few at most, a little over the cap), and the next ones whose prompt is cached elsewhere too
+    (another member of the set) are turned away in their place: the same load, fewer cold prompts."""
+    from proxy.routing.affinity.balance import Balance
+
+    bs = backends(4)
+    guard = Balance(200.0, 0.03, 0.1)
+    cap = int(1.03 * 200 + 10)  # of the last 800 requests (a full window, all alike)
+    counts = [cap - 1, 200, 200, 800 - cap + 1 - 400]  # gpu-0 a request under its cap
+    slots = sorted(((i + 0.5) / c, j) for j, c in enumerate(counts) for i in range(c))
+    for k, (_, j) in enumerate(slots):
+        assert guard.check(MODEL, bs, bs[j], 5000 + k, (), False, 1.0) == (bs[j], False)
+    alone = [guard.check(MODEL, bs, bs[0], 10 + k, ("gpu-0",), False, 1.0) for k in range(6)]
+    assert alone[:5] == [(bs[0], False)] * 5  # its last two under the cap (the window slides), 3 lent
+    assert alone[5][1] and alone[5][0] is not bs[0]  # no more than that
+    for k in range(15):  # the window slides on: gpu-0 back under its cap, within 3 of it
+        assert guard.check(MODEL, bs, bs[3], 100 + k, (), False, 1.0) == (bs[3], False)
+    both = [guard.check(MODEL, bs, bs[0], 20 + k, ("gpu-0", "gpu-1"), False, 1.0) for k in range(4)]
+    assert both[:3] == [(bs[1], True)] * 3  # made up: their prompt is cached on gpu-1 too
+    assert both[3] == (bs[0], False)

@@ -136,9 +136,10 @@ def test_the_balance_guard_caps_by_speed_with_its_own_headroom(slow: bool) -> No
         guard = Balance(100, 0.03, 0.0, 0.35, speed_epsilon=speed_epsilon)
         for i in range(400):  # a full window (4 x 100)
             guard.check("m", bs, bs[i % 4], i, (), False, 1.0)
+        both = (bs[3].name, bs[0].name)  # (its prompt cached elsewhere too: the cap lends it nothing)
         for i in range(400):
             count = guard._routes["m"].counts[bs[3].name]
-            if guard.check("m", bs, bs[3], 1000 + i, (), False, 1.0)[1]:
+            if guard.check("m", bs, bs[3], 1000 + i, both, False, 1.0)[1]:
                 return count
         raise AssertionError("never capped")
 

@@ -22,7 +22,8 @@ Which requests the cap turns away matters more than how many: one whose prompt i
 else is a cold prompt where it goes, one whose prompt is also on another member of its set (or
 where its tenant overflowed before) is not. So a capped request of the first kind may pass, up to
 _LEND of them a replica (over all proxies) and _LEND_OVER over the cap, and the next requests of
-the second kind near the cap are turned away in their place (`_lend`). After a popularity rotation
+the second kind near the cap are turned away in their place (`_lend`; not while some replica is
+slower: its cap by speed has its own headroom). After a popularity rotation
 among 60 tenants the tail tenants on the replicas the new hot ones filled were most of the misses;
 offline over ten sequences of phases, 12 seeds, the later phases under 0.97 went from 24 to 5 of
 336 and the fresh-start replays rose (strong 0.9652 -> 0.9669, weak 0.9676 -> 0.9704), max/mean
@@ -188,8 +189,9 @@ class Balance:
                 _fold(window, others)
         capped = count + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0)
         # which requests the window's cap turns away: one whose prompt is cached nowhere else rather not
+        # (not while some replica is slower: its cap by speed has its own headroom)
         lend = _LEND / proxies
-        if capped or (count + 1 > limit - lend and window.lent.get(chosen.name)):
+        if not shares and (capped or (count + 1 > limit - lend and window.lent.get(chosen.name))):
             capped = _lend(window, chosen.name, capped, len(members) > 1 or pin in window.overflow,
                            count + 1 <= limit * (1.0 + _LEND_OVER), lend)
         burst = 0.0

@@ -23,11 +23,11 @@ else is a cold prompt where it goes, one whose prompt is also on another member 
 where its tenant overflowed before) is not. So a capped request of the first kind may pass, up to
 _LEND of them a replica (over all proxies) and _LEND_OVER over the cap, and the next requests of
 the second kind near the cap are turned away in their place (`_lend`; not while some replica is
-slower: its cap by speed has its own headroom). After a popularity rotation
-among 60 tenants the tail tenants on the replicas the new hot ones filled were most of the misses;
-offline over ten sequences of phases, 12 seeds, the later phases under 0.97 went from 24 to 5 of
-336 and the fresh-start replays rose (strong 0.9652 -> 0.9669, weak 0.9676 -> 0.9704), max/mean
-within 1.10 (docs/BENCHMARKS.md).
+slower: its cap by speed has its own headroom). After a popularity rotation among 60 tenants the
+tail tenants on the replicas the new hot ones filled were most of the misses; offline over ten
+sequences of phases, 12 seeds, the later phases under 0.97 went from 24 to 5 of 336 and the
+fresh-start replays rose (strong 0.9652 -> 0.9669, weak 0.9676 -> 0.9704), max/mean within 1.10
+(docs/BENCHMARKS.md).
 Within `_NEAR` requests of the cap, a new conversation whose prompt the prefix index places on a
 replica well under its own cap goes there instead: the cap then meets fewer requests whose prompt
 is cached nowhere else.

@@ -22,6 +22,7 @@ all over the whole phase, including its first requests.
     python -m loadtest.affinity_drift --policies vllm-router:cache_aware --proxies 1   # a peer router
     python -m loadtest.affinity_drift --sequence small --offline --seeds 0-31   # populations of 80 small tenants
     python -m loadtest.affinity_drift --sequence rotate --offline --seeds 0-11  # rotations in 60 tenants (open)
+    python -m loadtest.affinity_drift --sequence settled --offline --seeds 0-11  # the same, on a settled population
 
 A peer router (`vllm-router:<policy>` or `sglang:<policy>`, installed in --peers-venv) gets the
 same phases; replicas join and leave through its /add_worker and /remove_worker, and its
@@ -95,7 +96,11 @@ ROTATIONS = (
     Phase("rot3", 60, 1.1, 4000, 21, rotate=3),
     Phase("rot33", 60, 1.1, 4000, 21, rotate=33),
 )
-SEQUENCES = {"drift": PHASES, "small": SMALL_TENANTS, "rotate": ROTATIONS}
+# `--sequence settled`: the same rotations once the proxy has served that population for 2400
+# requests. Right after a fresh start (`rotate`) the layout is the fresh start's, made before the
+# tenants' shares were known; a rotation in a population the policy has settled is the production case
+SETTLED = (ROTATIONS[0], Phase("same", 60, 1.1, 4000, 21), Phase("same2", 60, 1.1, 4000, 21)) + ROTATIONS[1:]
+SEQUENCES = {"drift": PHASES, "small": SMALL_TENANTS, "rotate": ROTATIONS, "settled": SETTLED}
 REPLICAS = 5
 
 
@@ -104,7 +109,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--requests", type=int, default=800, help="requests per phase")
-    add("--sequence", choices=sorted(SEQUENCES), default="drift", help="the phases above (`drift`), `small` (SMALL_TENANTS) or `rotate` (ROTATIONS)")
+    add("--sequence", choices=sorted(SEQUENCES), default="drift",
+        help="the phases above (`drift`), `small` (SMALL_TENANTS), `rotate` (ROTATIONS) or `settled` (SETTLED)")
     add("--phases", help="a comma list of the sequence's phases (default: all)")
     add("--seeds", default="0", help="a range (0-3) or a comma list; each seed is a separate run")
     add("--policies", default="prefix_affinity,round_robin")

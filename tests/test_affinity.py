@@ -484,6 +484,24 @@ def test_a_member_replaced_by_the_repair_does_not_restart_the_cool_down() -> Non
     assert table.changed[pin] == 600.0 and table.shrink_seen[pin] == ("gpu-0", "gpu-2")
 
 
+def test_a_set_another_proxy_grew_waits_the_cool_down_here_too() -> None:
+    """A tenant this proxy placed long ago, whose set another proxy grew just now: its cool-down
+    runs from when this proxy first sees the new set, not from its own old placement. (It shrank
+    it a request later: with three proxies, sets the guard's overflows grew were shrunk and grown
+    again within a few hundred requests, each shrink sending the dropped replica's conversations
+    back to recompute their turns.)"""
+    policy = PrefixAffinity(AffinityConfig())
+    table, shrink, pin = policy.table, policy.placement._maybe_shrink, 7
+    grown = ("gpu-0", "gpu-1")
+    table.changed[pin] = 0.0  # placed here on gpu-0 long ago
+    policy.pins[pin] = (grown, time.time())  # grown by another proxy
+    shrink(pin, grown, 4, 5000.0)
+    shrink(pin, grown, 4, 5001.0)  # no traffic: it would shrink, were the cool-down over
+    assert policy.pins[pin][0] == grown
+    shrink(pin, grown, 4, 5000.0 + AffinityConfig().cool_down_requests)
+    assert policy.pins[pin][0] == ("gpu-0",)
+
+
 def test_packing_evens_out_traffic_below_the_target_too() -> None:
     """Prompts evenly spread (20 small tenants per replica), one replica a little past the traffic
     target and two below the mean (a layout the weak shape settled into: max/mean 1.11 over the

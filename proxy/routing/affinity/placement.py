@@ -255,8 +255,9 @@ class Placement:
     def _maybe_shrink(self, pin: int, members: tuple[str, ...], n: int, now: float) -> None:
         """Drop the last member once the tenant's traffic fits in one replica less (with
         hysteresis below the growth threshold), and its set has not changed for cool_down_requests
-        as this proxy saw it: a set other than the one seen last (another proxy grew it) counts as
-        changed now; one member replaced by this proxy's packing repair does not. (Not by the
+        as this proxy saw it: a set other than the one seen last, or seen here for the first time
+        (another proxy grew it), counts as changed now; one member replaced by this proxy's packing
+        repair does not. (Not by the
         table's wall-time stamp: wall time over the current request rate is no request count when
         the rate varies, and a refresh of the same set rewrites the stamp.)"""
         table = self.table
@@ -265,10 +266,9 @@ class Placement:
             left = table.came_from.get(pin, ("",))[0]  # (this proxy's repair replaced a member in place)
             replaced = (changed is not None and seen is not None and len(seen) == len(members)
                         and left in seen and left not in members)
-            if not replaced and (changed is None or seen is not None):
-                table.changed[pin] = now
             table.shrink_seen[pin] = members
             if not replaced:
+                table.changed[pin] = now
                 return
         if changed is None or now - changed < self.cool_down_requests:  # (None: returned above)
             return

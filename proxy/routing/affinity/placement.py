@@ -257,9 +257,9 @@ class Placement:
         hysteresis below the growth threshold), and its set has not changed for cool_down_requests
         as this proxy saw it: a set other than the one seen last, or seen here for the first time
         (another proxy grew it), counts as changed now; one member replaced by this proxy's packing
-        repair does not. (Not by the
-        table's wall-time stamp: wall time over the current request rate is no request count when
-        the rate varies, and a refresh of the same set rewrites the stamp.)"""
+        repair does not. (Not by the table's wall-time stamp: wall time over the current request
+        rate is no request count when the rate varies, and a refresh of the same set rewrites the
+        stamp.)"""
         table = self.table
         changed, seen = table.changed.get(pin), table.shrink_seen.get(pin)
         if changed is None or seen != members:

@@ -50,7 +50,7 @@ import orjson
 from loadtest.affinity import percentile
 from loadtest.affinity_bound import token_hit_rate
 from loadtest.affinity_client import run_load
-from loadtest.affinity_fleet import (HOST, PEERS, Fleet, SimSettings, check_policy, free_port, peer_available,
+from loadtest.affinity_fleet import (HOST, PEERS, Fleet, SimSettings, check_policy, hold_port, peer_available,
                                      replica_cmd)
 from loadtest.affinity_replay import seeds
 from loadtest.affinity_workload import Workload, WorkloadSpec, generate
@@ -313,7 +313,8 @@ def live(args: argparse.Namespace, seed: int, policy: str, routers: int, tmp: Pa
                        prefill_ms_per_token=args.prefill_ms_per_token, itl_ms=args.itl_ms,
                        time_scale=args.time_scale, max_num_seqs=args.max_num_seqs)
     cell = Path(tempfile.mkdtemp(prefix=f"drift-{policy}-{routers}-{seed}-", dir=tmp))
-    ports = [free_port() for _ in range(REPLICAS)]
+    held = [hold_port() for _ in range(REPLICAS)]  # (until each replica starts, and again once it left)
+    ports = [s.getsockname()[1] for s in held]
     urls = [f"http://{HOST}:{p}" for p in ports]
     procs: dict[int, object] = {}
     results, loads, counted = [], [], []
@@ -322,6 +323,7 @@ def live(args: argparse.Namespace, seed: int, policy: str, routers: int, tmp: Pa
     with Fleet(cell) as fleet:
 
         def start(i: int) -> None:
+            held[i].close()
             procs[i] = fleet.spawn(f"sim{i}", replica_cmd(ports[i], sims))
             fleet.wait_ready(procs[i], urls[i] + "/health")
 
@@ -347,6 +349,7 @@ def live(args: argparse.Namespace, seed: int, policy: str, routers: int, tmp: Pa
                 if peer:
                     change_worker(fleet.routers, "remove", urls[i])
                 procs[i].stop()  # type: ignore[attr-defined]
+                held[i] = hold_port(ports[i])
                 if not peer:
                     wait_for(fleet.routers, f"r{i}", False)
             live_now = set(ph.replicas)
@@ -355,6 +358,8 @@ def live(args: argparse.Namespace, seed: int, policy: str, routers: int, tmp: Pa
             counted.append({f"r{i}": replica_requests(urls[i]) - n for i, n in before.items()} if before else None)
             results.append((ph, workload, load.sent_order))
             loads.append(load)
+    for s in held:
+        s.close()
     bound = pooled(results, args)
     out = []
     for k, (ph, workload, order) in enumerate(results):

@@ -35,6 +35,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def hold_port(port: int = 0) -> socket.socket:
+    """A loopback socket bound to `port` (0: a free one) and not listening: connections to it are
+    refused, and no process started meanwhile takes the port. A replica that joins later keeps its
+    port this way until it starts (close the socket first): a free port merely noted was once taken
+    by another run's process, which answered as that replica for a minute."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((HOST, port))
+    except OSError:  # (taken again already: nothing to hold)
+        s.close()
+    return s
+
+
 def http_get(url: str, timeout: float = 2.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read()

@@ -62,6 +62,12 @@ _TENANTS_EVERY_S = 1.0  # how often a proxy publishes them...
 _TENANTS_EVERY_REQUESTS = 32
 _TENANTS_MIN_S = 0.25  # but not more often than this (the payload is up to _TENANTS_TOP tenants)
 _TENANTS_TOP = 2048  # tenants per proxy published (the planner moves the ones that carry traffic)
+HOT_KEY = "vp:hot"  # field: proxy id -> its busy tenants' decayed requests on both of their windows (JSON)
+# (the tenants' growth and shrinking rest on their shares: from a third of the requests with three
+# proxies, a tenant turning hot grew later and spilled meanwhile; published each busy sync)
+# the others' busy tenants, as one proxy published them: its age (s), and per tenant its decayed
+# requests on the tenants' long and short windows and all requests there since it appeared
+HotTenants = tuple[float, list[tuple[int, float, float, float, float]]]
 GUARD_KEY = "vp:guard"  # field: proxy id|route -> its balance window: replicas, decisions, counts (JSON)
 # a window published longer ago than one load window (`rate_tau`: load_window_requests at the
 # measured rate, so the same number of requests at any rate), or this, is not counted: that
@@ -237,6 +243,10 @@ class SharedState:
         # (route, replicas, [(pin, replica, wall)]): the other proxies' recent overflows
         self.adopt_overflows: Callable[[str, tuple[str, ...], list[tuple[int, str, float]]], None] | None = None
         self.remote_guard: dict[tuple[str, tuple[str, ...]], RemoteWindow] = {}
+        # this proxy's busy tenants (as in `HotTenants`), and where the others' go at each read
+        # (every `HotTenants` fresh; [] once Redis is down); set by the policy
+        self.local_hot: Callable[[], list[tuple[int, float, float, float, float]]] | None = None
+        self.on_hot: Callable[[list[HotTenants]], None] | None = None
         self._guard_fields: set[str] = set()
         # the others' windows as last read: field -> (its raw value, parsed); one that did not
         # change (no decision there since) is not parsed again
@@ -414,7 +424,7 @@ class SharedState:
         await self._tasks.stop()
         try:  # last writes and our entries out of the load view, side by side and bounded
             last = [self.client.hdel(LOAD_KEY, *[f"{self.proxy_id}|{b}" for b in self.local_load()] or ["-"]),
-                    self.client.hdel(TENANTS_KEY, self.proxy_id)]
+                    self.client.hdel(TENANTS_KEY, self.proxy_id), self.client.hdel(HOT_KEY, self.proxy_id)]
             if self._guard_fields:
                 last.append(self.client.hdel(GUARD_KEY, *self._guard_fields))
             if self.up and (self._ops or self._pending or self._warm):
@@ -649,14 +659,46 @@ class SharedState:
             if windows:
                 pipe.hset(GUARD_KEY, mapping=windows)
                 self._guard_fields.update(windows)
+        if self.local_hot is not None and busy:
+            pipe.hset(HOT_KEY, self.proxy_id, orjson.dumps({"at": now, "hot": [
+                (f"{pin:016x}", *(round(x, 3) for x in counts)) for pin, *counts in self.local_hot()]}))
         if self.local_guard is not None:
             pipe.hgetall(GUARD_KEY)
+        if self.local_hot is not None:
+            pipe.hgetall(HOT_KEY)
         pipe.hgetall(LOAD_KEY)
         results = await asyncio.wait_for(pipe.execute(), self.io_timeout)
         self.remote_load, self.remote_rate = self._others(results[-1], time.time())
         self.remote_rate_at = now
+        if self.local_hot is not None and self.on_hot is not None:
+            self.on_hot(self._hot(results[-2], time.time()))
         if self.local_guard is not None:
-            self.remote_guard = self._other_windows(results[-2], time.time())
+            self.remote_guard = self._other_windows(results[-3 if self.local_hot is not None else -2], time.time())
+
+    def _hot(self, table: dict[str, str], now: float) -> list[HotTenants]:
+        """The other proxies' fresh busy tenants (`HotTenants`); a proxy idle for long is left out
+        (its entry, once older still, dropped)."""
+        out: list[HotTenants] = []
+        stale = []
+        fresh = max(_GUARD_FRESH_S, self.rate_tau)
+        for proxy, value in table.items():
+            if proxy == self.proxy_id:
+                continue
+            try:
+                entry = orjson.loads(value)
+                age = now - float(entry["at"])
+                hot = [(int(pin, 16), float(r), float(f), float(long), float(short))
+                       for pin, r, f, long, short in entry["hot"]]
+            except (ValueError, KeyError, TypeError, AttributeError, orjson.JSONDecodeError):  # not ours: dropped
+                stale.append(proxy)
+                continue
+            if age > 2 * fresh + 5.0 or age < -fresh:  # (gone, or a stamp from the future)
+                stale.append(proxy)
+            elif age <= fresh:
+                out.append((max(age, 0.0), hot))
+        if stale:
+            self._tasks.spawn(self._drop(stale, HOT_KEY), "drop stale busy tenants")
+        return out
 
     def _other_windows(self, table: dict[str, str], now: float) -> dict[tuple[str, tuple[str, ...]], RemoteWindow]:
         """The other proxies' fresh balance windows, summed per (route, replicas) (`RemoteWindow`):
@@ -803,6 +845,8 @@ class SharedState:
             self._warm = []
             if self.on_warming is not None:  # the others' releases will not arrive: nobody waits for them
                 self.on_warming(None, "", False, 0.0)
+            if self.on_hot is not None:  # the others' counts stop here: each proxy counts its own again
+                self.on_hot([])
             self.on_status(False)
 
 

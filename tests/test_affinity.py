@@ -345,6 +345,44 @@ def test_packing_repair_sees_every_proxys_tenant_counts(redis_db, redis_url) -> 
     asyncio.run(scenario())
 
 
+def test_a_busy_tenants_share_rests_on_every_proxys_requests(redis_db, redis_url) -> None:
+    """With N proxies each counts 1/N of a tenant's requests: its share, on which its set grows and
+    shrinks, rested on a third of the samples with three proxies (a tenant turning hot grew later
+    and spilled meanwhile). Each proxy publishes its busy tenants' counts at its sync; the others
+    add them (a light tenant's stay its own); none once Redis is gone."""
+    from proxy.shared import SharedState
+
+    async def scenario() -> None:
+        a = SharedState(redis_url, local_load=dict, timeout_s=0.5)
+        b = SharedState(redis_url, local_load=dict, timeout_s=0.5)
+        a.up = b.up = True
+        pa, pb = PrefixAffinity(AffinityConfig(), shared=a), PrefixAffinity(AffinityConfig(), shared=b)
+        try:
+            for policy, hot in ((pa, 7), (pb, 9)):  # 7 is busier at a, 9 at b
+                for i in range(400):
+                    policy.view.clock = now = float(i)
+                    pin = hot if i % 10 < 4 else (7 if hot == 9 else 9) if i % 10 < 6 else 100 + i
+                    policy.tenants.note(pin, now, False)
+            alone, light = pb.tenants.estimate(7, now), pb.tenants.estimate(299, now)
+            a.busy = b.busy = True
+            await a._sync()
+            await b._sync()
+            share, seen = pb.tenants.estimate(7, now)
+            assert seen == pytest.approx(2 * alone[1], rel=0.02)  # a's requests and b's
+            assert alone[0] == pytest.approx(0.2, abs=0.03) and share == pytest.approx(0.3, abs=0.03)
+            assert pb.tenants.estimate(9, now, fast=True)[0] == pytest.approx(0.3, abs=0.05)
+            assert pb.tenants.estimate(299, now) == light  # one request anywhere: not busy, its own count only
+            assert pa.tenants.share_floor(9, now) <= min(pa.tenants.estimate(9, now)[0],
+                                                        pa.tenants.estimate(9, now, True)[0])
+            b._down(ConnectionError("gone"))
+            assert pb.tenants.estimate(7, now) == pytest.approx(alone)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
 def test_placements_survive_a_redis_restart(redis_db, redis_url) -> None:
     """A Redis that comes back empty gets the proxies' mirrored placements back (so tenants keep
     their replicas and caches); an entry another proxy already wrote is not overwritten."""

@@ -85,6 +85,9 @@ class PrefixAffinity:
         self._due_chain: tuple[int, ...] = ()
         if shared is not None:
             shared.local_tenants = lambda wall: self.tenants.requests(self.view.clock)
+            # each proxy weighs a busy tenant's growth and shrinking on every proxy's requests
+            self.tenants.sharing = True
+            shared.local_hot, shared.on_hot = lambda: self.tenants.hot(self.view.clock), self.tenants.adopt
 
     # -- lifecycle: the packing repair's background task ---------------------------------------------
     async def serve(self) -> None:

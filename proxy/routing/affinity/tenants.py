@@ -8,14 +8,20 @@ repair, and when it returns it is counted from scratch.
 """
 from __future__ import annotations
 
+import heapq
 import math
-from typing import Callable, Final
+from typing import Callable, Final, Sequence
 
 from proxy.config import AffinityConfig
 from proxy.routing.affinity.counts import DecayedCounts
 from proxy.routing.affinity.load import LoadView
 from proxy.routing.affinity.store import Pins
 
+# a tenant of at least this share of this proxy's requests, on either window, is busy: its counts go to
+# the other proxies at each sync (`hot`), so that every proxy weighs its growth and shrinking on the
+# whole fleet's requests, not a third of them (`others`); until it falls under half of it
+_HOT_SHARE: Final = 0.01
+_HOT_TOP: Final = 64  # at most this many of them, the busiest on the short window
 _PUBLISH_TENANTS: Final = 16384  # tenants up to which this proxy shares its counts with the others' planner
 _GROW_SIGMAS: Final = 2.5  # a set grows on the lower confidence bound of the tenant's share (Poisson)
 _FEW_TO_GROW: Final = 0.96 * _GROW_SIGMAS ** 2  # decayed requests below which that bound is 0 (with room for rounding)
@@ -73,6 +79,13 @@ class TenantStats:
         self.turnover = 0.0
         self.turnover_usual = 0.0
         self._armed = True
+        # busy tenants (`hot`), noted while other proxies may read them (`sharing`); the others'
+        # counts of theirs: pin -> (long, short) decayed requests and (long, short) totals of the
+        # proxies that counted it, as of the policy clock `others_at`
+        self.sharing = False
+        self.busy: dict[int, None] = {}
+        self.others: dict[int, tuple[float, float, float, float]] = {}
+        self.others_at = 0.0
 
     def note(self, pin: int, now: float, returning: bool) -> None:
         """Count this request for its tenant and remember when it was seen, with a low estimate
@@ -91,6 +104,9 @@ class TenantStats:
         rates.count(pin, up)
         fast.count(pin, up_fast)
         whole = rscaled[None]
+        if self.sharing and pin not in self.busy and (rscaled[pin] >= _HOT_SHARE * whole
+                                                      or fscaled[pin] >= _HOT_SHARE * fscaled[None]):
+            self.busy[pin] = None
         # (_exposure is 1 for a tenant that came first: skip the call)
         total = whole if stats.before <= 0.0 else whole * _exposure(stats, False, whole / up, rates.tau, now)
         mine = rscaled[pin] / up  # decayed requests of this tenant
@@ -147,27 +163,85 @@ class TenantStats:
         return _exposure(self.seen.get(pin), fast, counts.value(None, now), counts.tau, now)
 
     def estimate(self, pin: int, now: float, fast: bool = False) -> tuple[float, float]:
-        """(this tenant's share of the requests routed here, the decayed requests it rests on),
-        counted since the tenant appeared: a new tenant's share is not diluted by the window."""
+        """(this tenant's share of the requests routed here, and by the other proxies that count
+        it among their busy ones, the decayed requests it rests on), counted since the tenant
+        appeared: a new tenant's share is not diluted by the window."""
         if fast:
             return self._estimate(pin, now, self.fast, self.seen.get(pin), True)
         return self._estimate(pin, now, self.rate, self.seen.get(pin), False)
 
-    @staticmethod
-    def _estimate(pin: int, now: float, counts: DecayedCounts, stats: Seen | None, fast: bool) -> tuple[float, float]:
+    def _estimate(self, pin: int, now: float, counts: DecayedCounts, stats: Seen | None,
+                  fast: bool) -> tuple[float, float]:
         up = counts.factor(now)  # first: it may renormalise (replace) `scaled`
         scaled = counts.scaled
         whole = scaled.get(None, 0.0)
-        total = whole * _exposure(stats, fast, whole / up, counts.tau, now)
+        mine = scaled.get(pin, 0.0)
+        part = _exposure(stats, fast, whole / up, counts.tau, now)
+        total = whole * part
+        if self.others:  # (as `share_floor` adds them: it stays a lower bound)
+            other = self._other(pin, now, fast)
+            if other is not None:
+                mine += other[0] * up
+                total += other[1] * up
         if total <= 0.0:
             return 0.0, 0.0
-        share = scaled.get(pin, 0.0) / total
+        share = mine / total
         return 1.0 if 1.0 < share else share, total / up  # (min(share, 1.0): min and max are costly calls)
+
+    def _other(self, pin: int, now: float, fast: bool) -> tuple[float, float] | None:
+        """(the tenant's decayed requests, all requests since it appeared there) at the other
+        proxies that count it among their busy tenants, on the short window or the long one; None
+        when none does."""
+        entry = self.others.get(pin)
+        if entry is None:
+            return None
+        if fast:
+            k = math.exp((self.others_at - now) / self.fast.tau)
+            return entry[1] * k, entry[3] * k
+        k = math.exp((self.others_at - now) / self.rate.tau)
+        return entry[0] * k, entry[2] * k
+
+    def hot(self, now: float) -> list[tuple[int, float, float, float, float]]:
+        """This proxy's busy tenants, for the other proxies (`adopt`): (pin, its decayed requests on
+        the long and the short window, and all requests there since it appeared here). Each proxy
+        counts from when the tenant appeared there: all of its requests, scaled by when this one
+        saw the tenant first, made a tenant new here look several times as busy at a fresh start."""
+        up, up_fast = self.rate.factor(now), self.fast.factor(now)  # (first: they may renormalise)
+        rates, fast = self.rate.scaled, self.fast.scaled
+        long, short = rates.get(None, 0.0) / up, fast.get(None, 0.0) / up_fast
+        out = []
+        for pin in list(self.busy):
+            r, f = rates.get(pin, 0.0) / up, fast.get(pin, 0.0) / up_fast
+            if r < 0.5 * _HOT_SHARE * long and f < 0.5 * _HOT_SHARE * short:
+                del self.busy[pin]
+                continue
+            stats = self.seen.get(pin)
+            out.append((pin, r, f, long * _exposure(stats, False, long, self.rate.tau, now),
+                        short * _exposure(stats, True, short, self.fast.tau, now)))
+        if len(out) > _HOT_TOP:
+            out = heapq.nlargest(_HOT_TOP, out, key=lambda e: e[2])
+        return out
+
+    def adopt(self, entries: Sequence[tuple[float, list[tuple[int, float, float, float, float]]]]) -> None:
+        """The other proxies' busy tenants as they published them (proxy/shared.py `HotTenants`:
+        age in seconds, counts), summed per tenant and aged to this proxy's clock at the measured
+        request rate."""
+        rate = self.load.rate
+        others: dict[int, tuple[float, float, float, float]] = {}
+        for age, hot in entries:
+            k = math.exp(-age * rate / self.rate.tau)
+            k_fast = math.exp(-age * rate / self.fast.tau)
+            for pin, r, f, long, short in hot:
+                was = others.get(pin, (0.0, 0.0, 0.0, 0.0))
+                others[pin] = (was[0] + r * k, was[1] + f * k_fast, was[2] + long * k, was[3] + short * k_fast)
+        self.others = others
+        self.others_at = self.load.clock
 
     def share_floor(self, pin: int, now: float) -> float:
         """A lower bound on both `estimate`s' shares, without their exposure (an exp each): the
-        tenant's requests over all of this proxy's (an exposure is at most 1, so it only raises a
-        share; every step is monotonic in floating point too)."""
+        tenant's requests over all of this proxy's, and the other proxies' that count it busy (an
+        exposure is at most 1, so it only raises a share; every step is monotonic in floating point
+        too)."""
         floor = 1.0
         for counts in (self.rate, self.fast):
             up = counts.factor(now)  # first: it may renormalise (replace) `scaled`
@@ -175,7 +249,13 @@ class TenantStats:
             whole = scaled.get(None, 0.0)
             if whole < 1.0:  # (no bound from next to nothing)
                 return 0.0
-            share = scaled.get(pin, 0.0) / whole
+            mine = scaled.get(pin, 0.0)
+            if self.others:
+                other = self._other(pin, now, counts is self.fast)
+                if other is not None:
+                    mine += other[0] * up
+                    whole += other[1] * up
+            share = mine / whole
             if share < floor:
                 floor = share
         return floor
@@ -203,7 +283,12 @@ class TenantStats:
             # most tenants have too few requests for a low bound above 0: no estimate needed
             # (`mine` below is at most its decayed requests, and mine - s sqrt(mine) <= 0 up to s^2)
             up = counts.factor(now)  # first: it may renormalise (replace) `scaled`
-            if counts.scaled.get(pin, 0.0) < _FEW_TO_GROW * up:
+            mine = counts.scaled.get(pin, 0.0) / up
+            if self.others:
+                other = self._other(pin, now, fast)
+                if other is not None:
+                    mine += other[0]
+            if mine < _FEW_TO_GROW:
                 continue
             share, seen = self._estimate(pin, now, counts, stats, fast)
             mine = share * seen  # its requests (decayed); Poisson bound: a first request is not "100 %"
@@ -256,6 +341,7 @@ class TenantStats:
     def keep(self, pins: Pins) -> None:
         """Drop the rates and stamps of tenants no longer placed (the table's `forget`)."""
         self.seen = {p: v for p, v in self.seen.items() if p in pins}
+        self.busy = {p: None for p in self.busy if p in pins}
         for counts in (self.rate, self.fast):
             counts.scaled = {k: v for k, v in counts.scaled.items() if k is None or k in pins}
 

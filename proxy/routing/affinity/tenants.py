@@ -80,8 +80,9 @@ class TenantStats:
         self.turnover_usual = 0.0
         self._armed = True
         # busy tenants (`hot`), noted while other proxies may read them (`sharing`); the others'
-        # counts of theirs: pin -> (long, short) decayed requests and (long, short) totals of the
-        # proxies that counted it, as of the policy clock `others_at`
+        # counts of theirs: pin -> (long, short) decayed requests and (long, short) requests there
+        # since it appeared there, summed over the proxies that counted it, as of the policy clock
+        # `others_at`
         self.sharing = False
         self.busy: dict[int, None] = {}
         self.others: dict[int, tuple[float, float, float, float]] = {}

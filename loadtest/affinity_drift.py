@@ -23,6 +23,7 @@ all over the whole phase, including its first requests.
     python -m loadtest.affinity_drift --sequence small --offline --seeds 0-31   # populations of 80 small tenants
     python -m loadtest.affinity_drift --sequence rotate --offline --seeds 0-11  # rotations in 60 tenants (open)
     python -m loadtest.affinity_drift --sequence settled --offline --seeds 0-11  # the same, on a settled population
+    python -m loadtest.affinity_drift --sequence random --offline --seeds 0-9   # a random sequence per seed
 
 A peer router (`vllm-router:<policy>` or `sglang:<policy>`, installed in --peers-venv) gets the
 same phases; replicas join and leave through its /add_worker and /remove_worker, and its
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import tempfile
 import time
@@ -104,13 +106,46 @@ SEQUENCES = {"drift": PHASES, "small": SMALL_TENANTS, "rotate": ROTATIONS, "sett
 REPLICAS = 5
 
 
+def random_phases(seed: int, count: int = 6) -> tuple[Phase, ...]:
+    """`--sequence random`: a sequence of its own for each seed, shapes the fixed ones lack. The
+    first phase is a fresh population; each later one is a fresh population (45 %), a popularity
+    rotation inside the current one (30 %) or a fleet change under it (25 %: a replica joins, cold,
+    while 4 are live, else one of the 5 leaves). Populations have 6-90 tenants, Zipf 0.5-1.4,
+    system prompts of 2000-10000 characters, so the caches hold from all of a population's prompts
+    to a fifth of them. Named by position and kind (`p3-rot`), so `worst` compares like positions
+    across seeds."""
+    rng = random.Random(7919 * seed + 13)
+    out: list[Phase] = []
+    live: tuple[int, ...] = (0, 1, 2, 3)
+    population, shape, rotate = 100, (0, 0.0, 0), 0
+    for k in range(count):
+        draw = rng.random()
+        if k == 0 or draw < 0.45:
+            population += 1
+            shape = (rng.choice((6, 10, 16, 24, 40, 60, 90)), round(rng.uniform(0.5, 1.4), 2),
+                     rng.choice((2000, 3000, 4000, 6000, 8000, 10000)))
+            kind, rotate = "new", 0
+        elif draw < 0.75:
+            kind, rotate = "rot", rng.randint(1, shape[0] - 1)
+        else:
+            kind = "fleet"
+            if len(live) <= 4:
+                live = tuple(sorted(live + (min(set(range(REPLICAS)) - set(live)),)))
+            else:
+                gone = rng.choice(live)
+                live = tuple(i for i in live if i != gone)
+        out.append(Phase(f"p{k + 1}-{kind}", *shape, population, rotate=rotate, replicas=live))
+    return tuple(out)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.affinity_drift", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--requests", type=int, default=800, help="requests per phase")
-    add("--sequence", choices=sorted(SEQUENCES), default="drift",
-        help="the phases above (`drift`), `small` (SMALL_TENANTS), `rotate` (ROTATIONS) or `settled` (SETTLED)")
+    add("--sequence", choices=sorted([*SEQUENCES, "random"]), default="drift",
+        help="the phases above (`drift`), `small` (SMALL_TENANTS), `rotate` (ROTATIONS), `settled` (SETTLED) "
+        "or `random` (a sequence of its own per seed: `random_phases`)")
     add("--phases", help="a comma list of the sequence's phases (default: all)")
     add("--seeds", default="0", help="a range (0-3) or a comma list; each seed is a separate run")
     add("--policies", default="prefix_affinity,round_robin")
@@ -133,7 +168,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def workloads(args: argparse.Namespace, seed: int) -> list[tuple[Phase, Workload]]:
-    chosen = [ph for ph in SEQUENCES[args.sequence] if args.phases is None or ph.name in args.phases.split(",")]
+    sequence = random_phases(seed) if args.sequence == "random" else SEQUENCES[args.sequence]
+    chosen = [ph for ph in sequence if args.phases is None or ph.name in args.phases.split(",")]
     out = []
     for k, ph in enumerate(chosen):
         spec = WorkloadSpec(tenants=ph.tenants, skew=ph.skew, system_chars=ph.system_chars, requests=args.requests,

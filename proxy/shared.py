@@ -42,7 +42,7 @@ import logging
 import math
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable, Sequence
 
 import orjson
@@ -90,6 +90,8 @@ _MIRROR_BLOCKS = 262144  # prefix entries mirrored (an LRU): enough for every re
 _EXPIRE_EVERY_S = 10.0  # how often expired placements are dropped
 _ALONE_AFTER_S = 2.0  # no other proxy seen for this long: this one is alone...
 _ALONE_ROUNDS = 5.0  # ... and syncs and flushes this many busy intervals apart
+_DELIVERY_SAMPLES = 32  # the last placements' delivery times the estimate weighs (`delivery_s`)
+_DELIVERY_TRACKED = 1024  # placements awaited on the stream at once (a lost race never comes back)
 
 # One batch of changes, atomically, then one stream entry naming what changed. ARGV: proxy id,
 # stamp, stream max length, index entries (JSON or ''), prompts being computed (JSON or '',
@@ -275,6 +277,15 @@ class SharedState:
         self._last_sent = (0, 0)  # id of the stream's last entry when this proxy's last flush ran
         self._reading = asyncio.Event()  # set while the cursor is valid (after a resync)
         self.adopted = 0  # placements changed by another proxy's entry or a lost race
+        # the other proxies that routed within _GUARD_FRESH_S (their busy tenants' entries say so), and
+        # a tenant's placement in the mirror now (proxy/routing/affinity/arrivals.py)
+        self.peer_ids: tuple[str, ...] = ()
+        self.on_placed: Callable[[int], None] | None = None
+        # how long a placement of this proxy's takes to come back on the change stream (monotonic
+        # time of the write, per tenant, until it does): the 90th percentile of the last ones
+        self._placed_at: dict[int, float] = {}
+        self._delivered: deque[float] = deque(maxlen=_DELIVERY_SAMPLES)
+        self.delivery_s = 0.005
         self._tasks = Supervisor("shared")  # a child of the Runtime's, from start()
         # the loops also end on this flag: on Python < 3.12 wait_for can swallow a cancellation
         self._closing = False
@@ -296,6 +307,11 @@ class SharedState:
         members = (replica,)
         self.pins[pin] = (members, time.time())
         self._queue(pin, ("P", replica))
+        if len(self._placed_at) >= _DELIVERY_TRACKED:  # (a lost race never comes back)
+            self._placed_at.clear()
+        self._placed_at[pin] = time.monotonic()
+        if self.on_placed is not None:
+            self.on_placed(pin)
         return members
 
     def grow(self, pin: int, old: Sequence[str], members: Sequence[str]) -> tuple[str, ...] | None:
@@ -595,8 +611,12 @@ class SharedState:
                 while len(owner) > self.mirror_blocks:
                     owner.popitem(last=False)
             if fields.get("t"):
+                mine = fields.get("p") == self.proxy_id
                 for pin, value in orjson.loads(fields["t"]).items():
-                    self._adopt(int(pin, 16), value)
+                    key = int(pin, 16)
+                    if mine and self._placed_at:
+                        self._delivered_now(key)
+                    self._adopt(key, value)
             if fields.get("w") and fields.get("p") != self.proxy_id and self.on_warming is not None:
                 now = time.time()
                 for pin, replica, computing, at in orjson.loads(fields["w"])[:_WARM_PER_ENTRY]:
@@ -623,6 +643,18 @@ class SharedState:
                 self.adopted += 1
             self.pins_changed += 1
         self.pins[pin] = parsed
+        if mine is None and self.on_placed is not None:
+            self.on_placed(pin)
+
+    def _delivered_now(self, pin: int) -> None:
+        """This proxy's placement of `pin` came back on the stream: one more delivery time."""
+        at = self._placed_at.pop(pin, None)
+        if at is None:
+            return
+        delivered = self._delivered
+        delivered.append(time.monotonic() - at)
+        ordered = sorted(delivered)
+        self.delivery_s = ordered[int(0.9 * (len(ordered) - 1))]
 
     def has_read(self, other: "SharedState") -> bool:
         """Whether this mirror has applied everything `other` has sent so far (tests settle on it)."""
@@ -680,6 +712,7 @@ class SharedState:
         (its entry, once older still, dropped)."""
         out: list[HotTenants] = []
         stale = []
+        peers: set[str] = set()
         fresh = max(_GUARD_FRESH_S, self.rate_tau)
         for proxy, value in table.items():
             if proxy == self.proxy_id:
@@ -696,8 +729,12 @@ class SharedState:
                 stale.append(proxy)
             elif age <= fresh:
                 out.append((max(age, 0.0), hot))
+                if age <= _GUARD_FRESH_S:  # (published only by a proxy that routed since its last sync)
+                    peers.add(proxy)
         if stale:
             self._tasks.spawn(self._drop(stale, HOT_KEY), "drop stale busy tenants")
+        if peers != set(self.peer_ids):
+            self.peer_ids = tuple(sorted(peers))
         return out
 
     def _other_windows(self, table: dict[str, str], now: float) -> dict[tuple[str, tuple[str, ...]], RemoteWindow]:

@@ -770,6 +770,7 @@ def test_the_clock_counts_every_proxys_requests() -> None:
     class TwoOthers:  # the shared view as two other proxies routing as much as this one
         pins: dict = {}
         pins_changed, up, remote_load, rate_tau = 0, False, {}, 1.0
+        proxy_id, peer_ids, on_placed = "this", (), None
         remote_rate: dict = {}
         remote_guard: dict = {}
         routed = 0

@@ -112,7 +112,7 @@ class Scheduler:
         # the policy's synchronous pick whose bookkeeping waits for `settle` (prefix_affinity's),
         # looked up on its class: a wrapper (tracing) has none and is awaited as usual
         self._now_of: object = None
-        self._pick_now: Callable[..., tuple[Backend, str]] | None = None
+        self._pick_now: Callable[..., tuple[Backend | None, str]] | None = None
         # that policy's `settle`: the bookkeeping `schedule_now` left, which the data path runs once
         # the request is on its way to the replica (None: nothing is ever left)
         self.settle: Callable[[], None] | None = None
@@ -180,6 +180,8 @@ class Scheduler:
         pick_now = self._pick_now
         if pick_now is not None:
             backend, reason = pick_now(candidates, request, route)
+            if backend is None:  # the pick waits for something (it counted nothing): `schedule` awaits it
+                return None
         else:
             pick = policy.pick(candidates, request, route)
             try:

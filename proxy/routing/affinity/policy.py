@@ -14,6 +14,7 @@ from proxy.prefix import prefix_key
 from proxy.routing.backends import Backend
 from proxy.routing.catalog import Route
 from proxy.routing.index import PrefixIndex, longest_match
+from proxy.routing.affinity.arrivals import Arrivals
 from proxy.routing.affinity.balance import Balance
 from proxy.routing.affinity.coalesce import Coalescer
 from proxy.routing.affinity.counts import DecayedCounts
@@ -83,6 +84,12 @@ class PrefixAffinity:
         self._due_now = 0.0
         self._due_returning = False
         self._due_chain: tuple[int, ...] = ()
+        # a new tenant's first request held for another proxy's placement (`pick`): its pin and
+        # how long; `_placing` set while the held request decides
+        self.arrivals = Arrivals(shared, self.tenants) if shared is not None else None
+        self._hold_pin = 0
+        self._hold_s = 0.0
+        self._placing = False
         if shared is not None:
             shared.local_tenants = lambda wall: self.tenants.requests(self.view.clock)
             # each proxy weighs a busy tenant's growth and shrinking on every proxy's requests
@@ -126,16 +133,28 @@ class PrefixAffinity:
 
     # -- the decision --------------------------------------------------------------------------------
     async def pick(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
-        chosen = self.pick_now(candidates, request, route)
+        backend, reason = self.pick_now(candidates, request, route)
+        if backend is None:  # a new tenant another proxy may be placing: wait for its placement
+            arrivals = self.arrivals
+            assert arrivals is not None
+            await arrivals.wait(self._hold_pin, self._hold_s)
+            self._placing = True
+            try:
+                backend, reason = self.pick_now(candidates, request, route)
+            finally:
+                self._placing = False
+            assert backend is not None
         if self._due is not None:
             self.settle()
-        return chosen
+        return backend, reason
 
-    def pick_now(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
+    def pick_now(self, candidates: Sequence[Backend], request: ParsedRequest,
+                 route: Route) -> tuple[Backend | None, str]:
         """The decision, its bookkeeping (the tenant's and the replica's counts, the index entry)
         left for `settle`: the data path sends the request first and settles then (Scheduler.settle),
         so at one request at a time that work overlaps the replica's instead of preceding it. What a
-        decision left is settled before the next one decides."""
+        decision left is settled before the next one decides. (None, "hold"): a new tenant another
+        proxy may be placing now; nothing was decided or counted, and `pick` waits for its placement."""
         if self._due is not None:
             self.settle()
         endpoint = request.endpoint
@@ -145,6 +164,13 @@ class PrefixAffinity:
         pin, chain, pin_blocks = prefix_key(endpoint == CHAT, request.data, route.upstream_id, block_chars,
                                             self._max_blocks)
         shared = self.shared
+        if (shared is not None and pin_blocks and not self._placing and pin not in self.pins and shared.up
+                and shared.peer_ids):
+            arrivals = self.arrivals
+            hold = arrivals.hold_s(pin, self.view.clock) if arrivals is not None else 0.0
+            if hold > 0.0:  # nothing counted yet: `pick` waits, then decides
+                self._hold_pin, self._hold_s = pin, hold
+                return None, "hold"
         match: tuple[int, str | None] | None = None
         if shared is not None:
             shared.busy = True

@@ -277,6 +277,11 @@ class AffinityConfig(Strict):
         "after that one began) rather than compute the prompt again beside it (vLLM caches a prompt's blocks once "
         "computed); 0 turns this off"
     )
+    placement_hold_s: float = Field(
+        0.1, ge=0, description="with Redis: a new tenant's first request at several proxies at once is placed by the proxy "
+        "ranked first for it (rendezvous hashing of the proxies that route), and the k-th holds its request for that "
+        "placement up to k times the change stream's measured delivery time, at most this long per rank; 0 never holds"
+    )
     window_requests: float = Field(
         3000.0, gt=0, description="the policy's memory, in requests over all proxies (not seconds, so the same "
         "request sequence behaves the same at any rate): time constant of the tenants' traffic shares (a thirtieth of it "

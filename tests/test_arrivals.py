@@ -81,7 +81,7 @@ def test_holds_stop_while_newcomers_do_not_come_back() -> None:
     proxy never holds; the k-th holds k delivery times."""
     shared = SimpleNamespace(proxy_id="this", peer_ids=("other",), delivery_s=0.01, on_placed=None)
     tenants = SimpleNamespace(seen={})
-    arrivals = Arrivals(shared, tenants)  # type: ignore[arg-type]
+    arrivals = Arrivals(shared, tenants, 0.1)  # type: ignore[arg-type]
     ranked_second = [p for p in range(1, 4000) if rendezvous_weight(p, proxy_salt("other")) > rendezvous_weight(p, proxy_salt("this"))]
     ranked_first = [p for p in range(1, 4000) if rendezvous_weight(p, proxy_salt("other")) < rendezvous_weight(p, proxy_salt("this"))]
     assert arrivals.hold_s(ranked_first[0], 0.0) == 0.0
@@ -103,5 +103,8 @@ def test_holds_stop_while_newcomers_do_not_come_back() -> None:
         last = arrivals.hold_s(pin, clock)
         clock += 1000.0
     assert last == 0.01
+    arrivals.most_s = 0.0  # placement_hold_s: 0
+    assert arrivals.hold_s(next(pins), clock) == 0.0
+    arrivals.most_s = 0.1
     shared.peer_ids = ()  # no other proxy routing: nothing to wait for
     assert arrivals.hold_s(next(pins), clock) == 0.0

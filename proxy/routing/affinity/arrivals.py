@@ -12,8 +12,9 @@ new conversations sent within 64 requests of their tenant's first to another rep
 
 So the proxies rank themselves per tenant by rendezvous hashing of their ids (each computes the
 same order without talking): the first places at once; the k-th holds the request up to k
-delivery times (this proxy's own placements, from its write to their return on the change stream:
-`SharedState.delivery_s`) for a placement to arrive, and places it itself if none did. Only
+delivery times for a placement to arrive, and places it itself if none did. A delivery time is
+the 90th percentile of this proxy's own placements', from the write to their return on the
+change stream (`SharedState.delivery_s`), at most `placement_hold_s` (0: never hold). Only
 proxies that routed within the last second rank (one that takes no traffic would hold every
 newcomer for nothing), and only while newcomers come back: a tenant seen once (a unique prompt)
 is never raced for, so when most of this proxy's recent newcomers got no second request within
@@ -37,7 +38,6 @@ _MIN_JUDGED: Final = 8  # holds are allowed until this many were weighed
 _BACK_SHARE: Final = 0.25  # holds go on while at least this share of them came back
 _SPACING: Final = 1.0  # the wait per rank, in delivery times (their 90th percentile)
 _MIN_SPACING_S: Final = 0.001
-_MAX_SPACING_S: Final = 0.1
 
 
 def proxy_salt(proxy_id: str) -> int:
@@ -45,7 +45,7 @@ def proxy_salt(proxy_id: str) -> int:
 
 
 class Arrivals:
-    def __init__(self, shared: SharedState, tenants: TenantStats) -> None:
+    def __init__(self, shared: SharedState, tenants: TenantStats, most_s: float) -> None:
         self.shared = shared
         self.tenants = tenants
         self._waiting: dict[int, asyncio.Future] = {}
@@ -54,7 +54,7 @@ class Arrivals:
         self._own = -1
         self._newcomers: dict[int, float] = {}  # this proxy's newcomers not judged yet -> clock when seen
         self._judged: deque[bool] = deque(maxlen=_JUDGED)  # came back?
-        self.most_s = _MAX_SPACING_S  # the longest wait a rank (however slow the stream is)
+        self.most_s = most_s  # the longest wait a rank, however slow the stream (`placement_hold_s`)
         shared.on_placed = self.placed
 
     def hold_s(self, pin: int, now: float) -> float:
@@ -62,7 +62,7 @@ class Arrivals:
         policy's clock."""
         self._newcomers.setdefault(pin, now)
         peers = self.shared.peer_ids
-        if not peers or len(self._waiting) >= _MAX_WAITING or not self._coming_back(now):
+        if not peers or not self.most_s or len(self._waiting) >= _MAX_WAITING or not self._coming_back(now):
             return 0.0
         if peers is not self._peers:
             self._peers, self._salts = peers, [proxy_salt(p) for p in peers]

@@ -86,7 +86,7 @@ class PrefixAffinity:
         self._due_chain: tuple[int, ...] = ()
         # a new tenant's first request held for another proxy's placement (`pick`): its pin and
         # how long; `_placing` set while the held request decides
-        self.arrivals = Arrivals(shared, self.tenants) if shared is not None else None
+        self.arrivals = Arrivals(shared, self.tenants, config.placement_hold_s) if shared is not None else None
         self._hold_pin = 0
         self._hold_s = 0.0
         self._placing = False

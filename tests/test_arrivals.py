@@ -108,3 +108,35 @@ def test_holds_stop_while_newcomers_do_not_come_back() -> None:
     arrivals.most_s = 0.1
     shared.peer_ids = ()  # no other proxy routing: nothing to wait for
     assert arrivals.hold_s(next(pins), clock) == 0.0
+
+
+def test_holds_stop_while_no_placement_ends_them() -> None:
+    """Where each tenant's requests reach one proxy only, no other proxy's placement ever ends a
+    hold: once most of the last holds ran out, only every 16th newcomer is held (to see whether that
+    changed); when placements end holds again, every newcomer is held again."""
+    import asyncio
+
+    shared = SimpleNamespace(proxy_id="this", peer_ids=("other",), delivery_s=0.01, on_placed=None)
+    tenants = SimpleNamespace(seen={})
+    arrivals = Arrivals(shared, tenants, 0.1)  # type: ignore[arg-type]
+    pins = iter(p for p in range(1, 100000)
+                if rendezvous_weight(p, proxy_salt("other")) > rendezvous_weight(p, proxy_salt("this")))
+
+    async def newcomers(count: int, placed: bool) -> list[float]:
+        held = []
+        for _ in range(count):
+            pin = next(pins)
+            tenants.seen[pin] = SimpleNamespace(first=0.0, last=1.0)  # (they come back)
+            wait = arrivals.hold_s(pin, 0.0)
+            held.append(wait)
+            if wait:
+                if placed:  # another proxy's placement arrives while this one holds
+                    asyncio.get_running_loop().call_soon(arrivals.placed, pin)
+                await arrivals.wait(pin, 60.0 if placed else 0.0)
+        return held
+
+    unpaid = asyncio.run(newcomers(56, placed=False))
+    assert all(unpaid[:8])
+    assert [k for k, wait in enumerate(unpaid) if wait][8:] == [23, 39, 55]  # probes only
+    paid = asyncio.run(newcomers(80, placed=True))
+    assert all(paid[-16:])

@@ -26,7 +26,6 @@ import asyncio
 import logging
 import math
 from collections import Counter as Tally
-from hashlib import blake2b
 from typing import Callable, Sequence
 
 import httpx
@@ -36,7 +35,7 @@ from proxy.config import ProxyConfig
 from proxy.control import read_capped
 from proxy.errors import ProxyError
 from proxy.routing.affinity import rendezvous_weight
-from proxy.routing.backends import Backend
+from proxy.routing.backends import Backend, rendezvous_salt
 from proxy.routing.catalog import Route
 from proxy.routing.clock import SYSTEM, Clock
 from proxy.tasks import Supervisor
@@ -55,7 +54,7 @@ class ManagedAdapter:
         self.path = path
         self.min_replicas = min_replicas
         self.max_replicas = max_replicas
-        self.key = int.from_bytes(blake2b(name.encode(), digest_size=8).digest(), "little")
+        self.key = rendezvous_salt(name)
         self.placing: asyncio.Task | None = None  # the single-flight first load
         self.growing: asyncio.Task | None = None  # a replication / min_replicas load
         self.cool_since: float | None = None

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import openai
 
 from proxy.prefix import prefix_key
-from proxy.routing.affinity.arrivals import Arrivals, proxy_salt
+from proxy.routing.affinity.arrivals import Arrivals
 from proxy.routing.affinity.ranking import rendezvous_weight
+from proxy.routing.backends import rendezvous_salt
 from tests.conftest import MODEL, Servers, eventually
 
 
@@ -31,7 +32,7 @@ def first_for(policy, first: str, second: str, tag: str) -> str:
         system = f"You are the assistant of tenant {tag}-{i}. " * 40
         data = {"model": MODEL, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
         pin = prefix_key(True, data, MODEL, policy._block_chars, policy._max_blocks)[0]
-        if rendezvous_weight(pin, proxy_salt(first)) > rendezvous_weight(pin, proxy_salt(second)):
+        if rendezvous_weight(pin, rendezvous_salt(first)) > rendezvous_weight(pin, rendezvous_salt(second)):
             return system
     raise AssertionError("no such prompt")
 
@@ -82,8 +83,8 @@ def test_holds_stop_while_newcomers_do_not_come_back() -> None:
     shared = SimpleNamespace(proxy_id="this", peer_ids=("other",), delivery_s=0.01, on_placed=None)
     tenants = SimpleNamespace(seen={})
     arrivals = Arrivals(shared, tenants, 0.1)  # type: ignore[arg-type]
-    ranked_second = [p for p in range(1, 4000) if rendezvous_weight(p, proxy_salt("other")) > rendezvous_weight(p, proxy_salt("this"))]
-    ranked_first = [p for p in range(1, 4000) if rendezvous_weight(p, proxy_salt("other")) < rendezvous_weight(p, proxy_salt("this"))]
+    ranked_second = [p for p in range(1, 4000) if rendezvous_weight(p, rendezvous_salt("other")) > rendezvous_weight(p, rendezvous_salt("this"))]
+    ranked_first = [p for p in range(1, 4000) if rendezvous_weight(p, rendezvous_salt("other")) < rendezvous_weight(p, rendezvous_salt("this"))]
     assert arrivals.hold_s(ranked_first[0], 0.0) == 0.0
     clock = 1000.0
     assert arrivals.hold_s(ranked_second[0], clock) == 0.01
@@ -120,7 +121,7 @@ def test_holds_stop_while_no_placement_ends_them() -> None:
     tenants = SimpleNamespace(seen={})
     arrivals = Arrivals(shared, tenants, 0.1)  # type: ignore[arg-type]
     pins = iter(p for p in range(1, 100000)
-                if rendezvous_weight(p, proxy_salt("other")) > rendezvous_weight(p, proxy_salt("this")))
+                if rendezvous_weight(p, rendezvous_salt("other")) > rendezvous_weight(p, rendezvous_salt("this")))
 
     async def newcomers(count: int, placed: bool) -> list[float]:
         held = []

@@ -10,6 +10,13 @@ from urllib.parse import urlsplit
 from proxy.config import BackendConfig
 from proxy.parse import ENDPOINTS
 
+
+def rendezvous_salt(name: str) -> int:
+    """A stable 64-bit salt of a name (a replica's, an adapter's, a proxy's) for rendezvous
+    hashing: every process computes the same one."""
+    return int.from_bytes(blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
 class Backend:
     __slots__ = (
         "name", "salt", "url", "config", "healthy", "in_flight", "models", "adapters", "failures", "headers", "api_key",
@@ -21,7 +28,7 @@ class Backend:
 
     def __init__(self, config: BackendConfig) -> None:
         self.name = config.name
-        self.salt = int.from_bytes(blake2b(config.name.encode(), digest_size=8).digest(), "little")
+        self.salt = rendezvous_salt(config.name)
         self.url = config.url
         self.config = config
         self.healthy = False

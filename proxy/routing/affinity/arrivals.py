@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from hashlib import blake2b
 from typing import Final
 
 from proxy.routing.affinity.ranking import rendezvous_weight
+from proxy.routing.backends import rendezvous_salt
 from proxy.routing.affinity.tenants import TenantStats
 from proxy.shared import SharedState
 
@@ -43,10 +43,6 @@ _PAID_SHARE: Final = 0.125  # ... and this share of the last _JUDGED holds ended
 _PROBE_EVERY: Final = 16  # else every this many-th newcomer is held all the same
 _SPACING: Final = 1.0  # the wait per rank, in delivery times (their 90th percentile)
 _MIN_SPACING_S: Final = 0.001
-
-
-def proxy_salt(proxy_id: str) -> int:
-    return int.from_bytes(blake2b(proxy_id.encode(), digest_size=8).digest(), "little")
 
 
 class Arrivals:
@@ -76,8 +72,8 @@ class Arrivals:
         if not peers or not self.most_s or len(self._waiting) >= _MAX_WAITING or not self._coming_back(now):
             return 0.0
         if peers is not self._peers:
-            self._peers, self._salts = peers, [proxy_salt(p) for p in peers]
-            self._own = proxy_salt(self.shared.proxy_id)
+            self._peers, self._salts = peers, [rendezvous_salt(p) for p in peers]
+            self._own = rendezvous_salt(self.shared.proxy_id)
         mine = rendezvous_weight(pin, self._own)
         rank = 0
         for salt in self._salts:

@@ -164,8 +164,8 @@ class PrefixAffinity:
         pin, chain, pin_blocks = prefix_key(endpoint == CHAT, request.data, route.upstream_id, block_chars,
                                             self._max_blocks)
         shared = self.shared
-        if (shared is not None and pin_blocks and not self._placing and pin not in self.pins and shared.up
-                and shared.peer_ids):
+        if (shared is not None and shared.peer_ids and pin_blocks and not self._placing and pin not in self.pins
+                and shared.up):
             arrivals = self.arrivals
             hold = arrivals.hold_s(pin, self.view.clock) if arrivals is not None else 0.0
             if hold > 0.0:  # nothing counted yet: `pick` waits, then decides

@@ -282,6 +282,12 @@ class AffinityConfig(Strict):
         "ranked first for it (rendezvous hashing of the proxies that route), and the k-th holds its request for that "
         "placement up to k times the change stream's measured delivery time, at most this long per rank; 0 never holds"
     )
+    join_share: float = Field(
+        0.5, ge=0, le=1, description="a replica that joins while the others hold more tenants' prompts than their caches "
+        "keep takes at once the tenants under this part of a replica's share of the traffic whose rendezvous choice "
+        "among the new fleet it is (every proxy picks the same); the heavier ones the packing repair moves by load; "
+        "0 turns this off"
+    )
     window_requests: float = Field(
         3000.0, gt=0, description="the policy's memory, in requests over all proxies (not seconds, so the same "
         "request sequence behaves the same at any rate): time constant of the tenants' traffic shares (a thirtieth of it "

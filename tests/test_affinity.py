@@ -762,6 +762,37 @@ def test_a_replica_that_joins_is_filled_gradually() -> None:
     assert sum("gpu-4" in p for p in placed) <= len(placed) // 2
 
 
+def test_a_replica_joining_a_crowded_fleet_takes_its_part_of_the_light_tenants() -> None:
+    """Caches that hold a few of the prompts each: the replica that joins takes, at once, the
+    light tenants whose rendezvous choice among the new fleet it is, and no other tenant moves
+    (every proxy picks the same ones). With room for every prompt nothing moves."""
+    from proxy.routing.affinity.ranking import rendezvous_order
+
+    def joined_with(cache_tokens: int) -> tuple[PrefixAffinity, list[Backend], dict[str, tuple[str, ...]]]:
+        bs = backends(5)
+        for b in bs:
+            b.cache_tokens = cache_tokens
+        clock = ManualClock()
+        policy = PrefixAffinity(AffinityConfig(), timer=clock)
+        policy.repair.plan = lambda *args: []  # (the repair's own moves are not what is checked)
+        drive(policy, bs[:4], tenants, [4.0, 3.0] + [1.0] * 38, 1200, clock=clock)
+        before = {t: policy.pins[pin_of(t)][0] for t in tenants}
+        pick(policy, bs, chat_request(tenants[0], "the first request after the join"))
+        return policy, bs, before
+
+    tenants = [f"tenant of a crowded fleet {i} " * 40 for i in range(40)]
+    prompt_tokens = len(tenants[0]) // 4
+    policy, bs, before = joined_with(3 * prompt_tokens)  # ~2 prompts kept a cache (cache_fill 0.65)
+    moved = [t for t in tenants if policy.pins[pin_of(t)][0] != before[t]]
+    assert moved and all(policy.pins[pin_of(t)][0] == ("gpu-4",) for t in moved)
+    light = [t for t in tenants if len(before[t]) == 1
+             and policy.tenants.current(pin_of(t), policy.clock) <= 0.5 / 5]
+    assert set(moved) == {t for t in light if rendezvous_order(pin_of(t), bs)[0] is bs[4]}
+    assert len(moved) <= len(tenants) // 3
+    policy, _, before = joined_with(1000 * prompt_tokens)  # room for all: no move
+    assert all(policy.pins[pin_of(t)][0] == before[t] for t in tenants)
+
+
 def test_the_clock_counts_every_proxys_requests() -> None:
     """With N proxies each routes 1/N of the requests: the clock advances by the number of proxies
     it infers from the shared load view (on the same window as its own counts), so time constants

@@ -793,6 +793,21 @@ def test_a_replica_joining_a_crowded_fleet_takes_its_part_of_the_light_tenants()
     assert all(policy.pins[pin_of(t)][0] == before[t] for t in tenants)
 
 
+def test_the_oracle_layout_keeps_prompts_and_traffic_even() -> None:
+    """loadtest.affinity_oracle's `balanced` layout (the target quoted for crowded caches): as
+    many tenants on every replica, and traffic within 5 % of the mean."""
+    from loadtest.affinity_oracle import layouts
+
+    tenants = Counter({t: int(1000 / (t + 1) ** 0.8) for t in range(60)})
+    home = layouts(tenants, 4)["balanced"]
+    traffic, held = Counter(), Counter()
+    for t, count in tenants.items():
+        traffic[home(t)] += count
+        held[home(t)] += 1
+    assert sorted(held.values()) == [15] * 4
+    assert max(traffic.values()) <= 1.05 * sum(traffic.values()) / 4
+
+
 def test_the_clock_counts_every_proxys_requests() -> None:
     """With N proxies each routes 1/N of the requests: the clock advances by the number of proxies
     it infers from the shared load view (on the same window as its own counts), so time constants

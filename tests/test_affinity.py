@@ -178,9 +178,34 @@ def test_packing_repair_moves_a_tenant_out_of_a_crowded_cache() -> None:
     for _ in range(4):
         for pin, old, new in policy.repair.plan(bs, now):
             policy.pins[pin] = (new, wall - 1)
+            policy.table.epoch += 1  # (what a change through the store does: the counts are recounted)
     counts = policy.table.counts(policy.clock)
     assert max(counts.values()) <= 2 and policy.pins[1][0] == ("gpu-0", "gpu-1")
     assert policy.repair.plan(bs, now) == []
+
+
+def test_on_crowded_caches_the_repair_moves_light_tenants_too() -> None:
+    """While the caches keep fewer prompts than there are tenants, a tenant of a few requests may
+    move (its prompt is mostly evicted between them anyway): the crowded replica gives up one of
+    its light tenants, where before only a tenant of a dozen requests or more could move."""
+    bs = backends(4)
+    for b in bs:
+        b.cache_tokens = 100_000
+    policy = PrefixAffinity(AffinityConfig(move_after_requests=0, grow_min_requests=0))
+    now, wall = policy.clock, time.time()
+    sets = {1: ("gpu-0", "gpu-1"), 2: ("gpu-2",), 3: ("gpu-2",), 4: ("gpu-2",), 5: ("gpu-2",), 6: ("gpu-3",)}
+    shares = {1: 0.4, 2: 0.19, 3: 0.003, 4: 0.003, 5: 0.003, 6: 0.2}  # 3-5: 6 requests each
+    for pin, members in sets.items():
+        policy.pins[pin] = (members, wall - 1)
+        policy.tenants.note(pin, now, False)  # (sending now: not idle)
+        policy.tenant_rate.add(pin, now, shares[pin] * 2000)
+    policy.tenant_rate.add(None, now, 2000.0)
+    policy.table.prompt_chars = 260_000.0  # a cache keeps one prompt: 7 prompts on 4 caches
+    assert policy.table.crowded(bs, now)
+    plan = policy.repair.plan(bs, now)
+    assert plan and all(old == ("gpu-2",) and pin in (3, 4, 5) for pin, old, _ in plan)
+    policy.table.prompt_chars = 20_000.0  # room for all: not crowded
+    assert not policy.table.crowded(bs, now)
 
 
 def test_a_pick_left_unsettled_decides_as_a_settled_one() -> None:

@@ -4,7 +4,6 @@ the runtime's task supervisor runs (`serve`), never from inside `pick`."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from functools import partial
 from typing import Any, Final, Sequence
@@ -285,7 +284,7 @@ class PrefixAffinity:
         """A replica joined while the others hold more tenants' prompts than a cache keeps: it
         takes its part of their light tenants at once (those under `join_share` of a replica's part
         of the traffic whose rendezvous choice among the new fleet is it: every proxy picks the same).
-        Left to the packing repair (two changes every few hundred requests, of tenants with
+        Left to the packing repair (two changes every few hundred requests; then only of tenants with
         settled rates) the old replicas stayed as crowded as before and the new one held the hot
         tenants the repair moved to fill its traffic: a join under a running population of 60-90
         tenants whose caches hold a fifth of their prompts kept 0.87-0.94 of the pooled bound for
@@ -294,11 +293,9 @@ class PrefixAffinity:
         joined = next((b for b in candidates if b.name == name), None)
         if joined is None or n < 2 or not self.config.join_share:
             return 0
-        names = {b.name for b in candidates}
-        counts = self.table.counts(now)
-        held = sum(counts.get(other, 0) for other in names if other != name)
-        if held <= self.table.capacity(joined, math.inf) * (n - 1):  # (unknown until its cache size is scraped)
+        if not self.table.crowded([b for b in candidates if b is not joined], now):
             return 0
+        names = {b.name for b in candidates}
         wall = self._wall()
         light = self.config.join_share / n
         moved = 0

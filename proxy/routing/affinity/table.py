@@ -72,6 +72,17 @@ class TenantTable:
             return self.config.cache_fill * backend.cache_tokens * CHARS_PER_TOKEN / self.prompt_chars
         return default
 
+    def crowded(self, backends: Sequence[Backend], now: float) -> bool:
+        """Whether these replicas hold more active tenants' prompts than their caches keep
+        (`capacity`; never before their cache sizes are scraped)."""
+        counts = self.counts(now)
+        held = 0
+        room = 0.0
+        for backend in backends:
+            held += counts.get(backend.name, 0)
+            room += self.capacity(backend, math.inf)
+        return held > room
+
     def counts(self, now: float) -> dict[str, int]:
         """Active (not idle) tenants per replica; recomputed when the table changed, and every
         quarter repair period as tenants go idle."""

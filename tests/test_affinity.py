@@ -158,20 +158,30 @@ def test_hot_prefix_spills_within_the_load_bound() -> None:
     assert min(b.in_flight for b in bs) > 0  # the hot key spread as far as its load needed
 
 
-def test_packing_repair_moves_a_tenant_out_of_a_crowded_cache() -> None:
-    """Warm-up placements crowded one replica's cache: the repair moves a small tenant to the
-    replica with room (never the hot two-replica tenant), then stops once the packing is fine."""
+def three_light_on_one(light: float, sending: bool = False) -> tuple[list[Backend], PrefixAffinity, float, float]:
+    """Four replicas (100 k cache tokens each): tenant 1 on gpu-0 and gpu-1 (0.4 of 2000 requests),
+    2-5 on gpu-2 (3-5 with `light` each, 2 with the rest of 0.2), 6 on gpu-3 (0.2); `sending`:
+    every tenant sent just now (not idle). (replicas, policy, clock, wall time)"""
     bs = backends(4)
     for b in bs:
         b.cache_tokens = 100_000
     policy = PrefixAffinity(AffinityConfig(move_after_requests=0, grow_min_requests=0))
     now, wall = policy.clock, time.time()
     sets = {1: ("gpu-0", "gpu-1"), 2: ("gpu-2",), 3: ("gpu-2",), 4: ("gpu-2",), 5: ("gpu-2",), 6: ("gpu-3",)}
-    shares = {1: 0.4, 2: 0.17, 3: 0.01, 4: 0.01, 5: 0.01, 6: 0.2}  # every replica has 0.2 of the traffic
+    shares = {1: 0.4, 2: 0.2 - 3 * light, 3: light, 4: light, 5: light, 6: 0.2}
     for pin, members in sets.items():
         policy.pins[pin] = (members, wall - 1)
+        if sending:
+            policy.tenants.note(pin, now, False)
         policy.tenant_rate.add(pin, now, shares[pin] * 2000)  # requests (decayed)
     policy.tenant_rate.add(None, now, 2000.0)
+    return bs, policy, now, wall
+
+
+def test_packing_repair_moves_a_tenant_out_of_a_crowded_cache() -> None:
+    """Warm-up placements crowded one replica's cache: the repair moves a small tenant to the
+    replica with room (never the hot two-replica tenant), then stops once the packing is fine."""
+    bs, policy, now, wall = three_light_on_one(0.01)  # every replica has 0.2 of the traffic
     policy.table.prompt_chars = 130_000.0  # ~32 k tokens: a cache keeps 2 prompts, an even spread is 1.75
     plan = policy.repair.plan(bs, now)
     assert plan and all(old == ("gpu-2",) and pin in (3, 4, 5) for pin, old, _ in plan)
@@ -188,18 +198,7 @@ def test_on_crowded_caches_the_repair_moves_light_tenants_too() -> None:
     """While the caches keep fewer prompts than there are tenants, a tenant of a few requests may
     move (its prompt is mostly evicted between them anyway): the crowded replica gives up one of
     its light tenants, where before only a tenant of a dozen requests or more could move."""
-    bs = backends(4)
-    for b in bs:
-        b.cache_tokens = 100_000
-    policy = PrefixAffinity(AffinityConfig(move_after_requests=0, grow_min_requests=0))
-    now, wall = policy.clock, time.time()
-    sets = {1: ("gpu-0", "gpu-1"), 2: ("gpu-2",), 3: ("gpu-2",), 4: ("gpu-2",), 5: ("gpu-2",), 6: ("gpu-3",)}
-    shares = {1: 0.4, 2: 0.19, 3: 0.003, 4: 0.003, 5: 0.003, 6: 0.2}  # 3-5: 6 requests each
-    for pin, members in sets.items():
-        policy.pins[pin] = (members, wall - 1)
-        policy.tenants.note(pin, now, False)  # (sending now: not idle)
-        policy.tenant_rate.add(pin, now, shares[pin] * 2000)
-    policy.tenant_rate.add(None, now, 2000.0)
+    bs, policy, now, _ = three_light_on_one(0.003, sending=True)  # 3-5: 6 requests each
     policy.table.prompt_chars = 260_000.0  # a cache keeps one prompt: 7 prompts on 4 caches
     assert policy.table.crowded(bs, now)
     plan = policy.repair.plan(bs, now)

@@ -289,15 +289,12 @@ class PrefixAffinity:
         tenants the repair moved to fill its traffic: a join under a running population of 60-90
         tenants whose caches hold a fifth of their prompts kept 0.87-0.94 of the pooled bound for
         the rest of that population (docs/BENCHMARKS.md). Returns how many moved."""
-        n = len(candidates)
-        joined = next((b for b in candidates if b.name == name), None)
-        if joined is None or n < 2 or not self.config.join_share:
-            return 0
-        if not self.table.crowded([b for b in candidates if b is not joined], now):
+        joined = next(b for b in candidates if b.name == name)  # (`name` is one of theirs)
+        if not self.config.join_share or not self.table.crowded([b for b in candidates if b is not joined], now):
             return 0
         names = {b.name for b in candidates}
         wall = self._wall()
-        light = self.config.join_share / n
+        light = self.config.join_share / len(candidates)
         moved = 0
         for pin, (members, _) in list(self.pins.items()):
             if len(members) != 1 or members[0] == name or members[0] not in names:

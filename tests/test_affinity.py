@@ -1254,3 +1254,42 @@ def test_at_its_cap_the_guard_turns_away_a_request_cached_elsewhere_rather_than_
     both = [guard.check(MODEL, bs, bs[0], 20 + k, ("gpu-0", "gpu-1"), False, 1.0) for k in range(4)]
     assert both[:3] == [(bs[1], True)] * 3  # made up: their prompt is cached on gpu-1 too
     assert both[3] == (bs[0], False)
+
+
+def test_a_tenant_spills_where_it_spilled_before() -> None:
+    """Its replicas over the bound, a tenant's new conversations spill to one other replica, not
+    to whichever is least loaded at each spill: its prompt is cached there once."""
+    bs = backends(4)
+    policy = PrefixAffinity(AffinityConfig(block_chars=64, queue_slack=0, epsilon=1.0))
+    home, _ = pick(policy, bs, chat_request(tenant(3), "question one " * 10))
+    next(b for b in bs if b.name == home).in_flight = 4  # a queue: its new conversations spill
+    first, reason = pick(policy, bs, chat_request(tenant(3), "a different question " * 10))
+    assert reason == "spill" and first != home
+    next(b for b in bs if b.name == first).in_flight = 1  # busier than the other two, under the bound
+    again, reason = pick(policy, bs, chat_request(tenant(3), "a third question " * 10))
+    assert (again, reason) == (first, "spill")
+
+
+def test_a_spill_reaches_the_other_proxies(redis_url) -> None:
+    """A tenant spilled at one proxy spills (and overflows) to the same replica at the others: the
+    spill goes out with the guard's recent overflows."""
+    from proxy.routing.affinity.balance import Balance
+    from proxy.shared import SharedState
+
+    async def scenario() -> None:
+        shared = SharedState(redis_url, local_load=dict)
+        try:
+            bs = backends(4)
+            a, b = (Balance(200, 0.03, 0.1, shared=shared) for _ in range(2))
+            for guard in (a, b):  # (a route's window exists once the guard decided for it)
+                guard.check(MODEL, bs, bs[0], 7, ("gpu-0",), False, 2.0)
+            assert b.spilled_to(MODEL, 7) is None
+            a.spilled(MODEL, 7, "gpu-2")
+            assert a.spilled_to(MODEL, 7) == "gpu-2"
+            (names, _, _, overflows, _, _), = a.snapshot().values()
+            b.adopt(MODEL, names, overflows)
+            assert b.spilled_to(MODEL, 7) == "gpu-2"
+        finally:
+            await shared.close()
+
+    asyncio.run(scenario())

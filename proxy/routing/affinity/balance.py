@@ -13,8 +13,8 @@ a strength that trades cache for latency), and at 0.03 the slow replica sat at i
 overflowed 3-4x as many requests to replicas without their prompt (loadtest.affinity_replay,
 heterogeneous fleet: 88 overflows against 24 on replicas alike). A request whose choice would
 break that goes to a replica of its tenant's set under the cap, else to the replica this tenant
-overflowed to last (so its prompt is cached in one more place, not scattered; first where the
-prefix index says its prompt is), else to the replica with the fewest. A tenant capped twice
+overflowed (or spilled: placement.py `_spill`) to last (so its prompt is cached in one more place,
+not scattered; first where the prefix index says its prompt is), else to the replica with the fewest. A tenant capped twice
 whose traffic is a large part of its replicas, or pays for the room a copy of its prompt takes,
 grows by the overflow replica (`settled`, placement.py `overflowed`).
 A continuation is allowed `continuation_slack` more (its own turns are cached where it goes).
@@ -99,7 +99,7 @@ _STRETCH_EPSILON: Final = 0.1
 class Window:
     """One route's recent decisions: replica name -> how many of the last `size`."""
 
-    __slots__ = ("names", "key", "fleet", "recent", "counts", "overflow", "fresh", "filling", "size", "again",
+    __slots__ = ("names", "key", "fleet", "recent", "counts", "overflow", "spills", "fresh", "filling", "size", "again",
                  "speeds", "shares", "decided", "published", "rate", "level", "ticks", "picks", "folded", "seen",
                  "tenants", "lent")
 
@@ -128,6 +128,7 @@ class Window:
         # route's replicas the placement already knows its tenants
         self.filling = _FILLING if before is None else 0.0
         self.overflow: dict[int, str] = {}  # tenant pin -> replica it last overflowed to
+        self.spills: dict[int, str] = {}  # tenant pin -> replica the placement last spilled it to (`_spill`)
         self.fresh: dict[int, tuple[str, float]] = {}  # this proxy's overflows of late: pin -> (replica, wall)
         self.size = 0  # this proxy's part of the window, as of the last decision
         self.again: int | None = None  # the tenant of the last overflow, if it had overflowed before
@@ -376,17 +377,40 @@ class Balance:
             return max(own, key=room)
         last = window.overflow.get(pin)
         window.again = pin if last is not None else None
+        if last is None:  # (a spill's replica holds its prompt too; it counts for no growth)
+            last = window.spills.get(pin)
         # where its prompt is (every proxy's index agrees through Redis; its overflow memory is its own)
         last = cached if any(b.name == cached for b in under) else last
         chosen = next((b for b in under if b.name == last), None) or max(under, key=room)
         _remember(window.overflow, pin, chosen.name, len(candidates))
-        if self.shared is not None:  # for the other proxies (`snapshot`), newest last
+        self._publish(window, pin, chosen.name)
+        return chosen
+
+    def _publish(self, window: Window, pin: int, name: str) -> None:
+        """Where this proxy sent the tenant outside its set, for the other proxies (`snapshot`),
+        newest last."""
+        if self.shared is not None:
             fresh = window.fresh
             fresh.pop(pin, None)
-            fresh[pin] = (chosen.name, self.wall())
+            fresh[pin] = (name, self.wall())
             if len(fresh) > 2 * _FRESH_MAX:  # bounded also while nothing publishes (Redis down)
                 _trim(fresh, _FRESH_MAX)
-        return chosen
+
+    def spilled_to(self, route: str, pin: int) -> str | None:
+        """Where the placement last spilled this tenant, else where the guard overflowed it last."""
+        window = self._routes.get(route)
+        if window is None:
+            return None
+        return window.spills.get(pin) or window.overflow.get(pin)
+
+    def spilled(self, route: str, pin: int, name: str) -> None:
+        """The placement spilled a request of this tenant to `name` (outside its set, over the
+        load bound): its next spill goes there too while there is room, and its overflows if
+        it has none of its own."""
+        window = self._routes.get(route)
+        if window is not None:
+            _remember(window.spills, pin, name, len(window.names))
+            self._publish(window, pin, name)
 
 
 def _lend(window: Window, name: str, capped: bool, elsewhere: bool, within: bool, most: float) -> bool:

@@ -14,9 +14,9 @@ overflowed 3-4x as many requests to replicas without their prompt (loadtest.affi
 heterogeneous fleet: 88 overflows against 24 on replicas alike). A request whose choice would
 break that goes to a replica of its tenant's set under the cap, else to the replica this tenant
 overflowed (or spilled: placement.py `_spill`) to last (so its prompt is cached in one more place,
-not scattered; first where the prefix index says its prompt is), else to the replica with the fewest. A tenant capped twice
-whose traffic is a large part of its replicas, or pays for the room a copy of its prompt takes,
-grows by the overflow replica (`settled`, placement.py `overflowed`).
+not scattered; first where the prefix index says its prompt is), else to the replica with the
+fewest. A tenant capped twice whose traffic is a large part of its replicas, or pays for the room
+a copy of its prompt takes, grows by the overflow replica (`settled`, placement.py `overflowed`).
 A continuation is allowed `continuation_slack` more (its own turns are cached where it goes).
 Which requests the cap turns away matters more than how many: one whose prompt is cached nowhere
 else is a cold prompt where it goes, one whose prompt is also on another member of its set (or

@@ -1270,6 +1270,32 @@ def test_a_tenant_spills_where_it_spilled_before() -> None:
     assert (again, reason) == (first, "spill")
 
 
+def test_a_tenant_that_spills_again_grows_by_that_replica_when_its_traffic_surely_pays_for_the_copy() -> None:
+    """A tenant that spills a second time to where it spilled before grows by that replica when even
+    the low end of its share pays for the copy of its prompt there (as one the guard overflows
+    twice does): its later requests share two caches holding its prompt. A light tenant only spills."""
+    def spills(others: int) -> tuple[tuple[str, ...], str, str]:
+        bs = backends(4)
+        policy = PrefixAffinity(AffinityConfig(block_chars=64, queue_slack=0, epsilon=1.0))
+        for k in range(others + 16):  # tenant 3 one request in (others + 16) / 16
+            if k % (others // 16 + 1) == 0:
+                home, _ = pick(policy, bs, chat_request(tenant(3), f"question {k} " * 10))
+            else:
+                pick(policy, bs, chat_request(tenant(100 + k % 40), f"question {k} " * 10))
+        next(b for b in bs if b.name == home).in_flight = 4  # a queue: its new conversations spill
+        first, reason = pick(policy, bs, chat_request(tenant(3), "a different question " * 10))
+        assert reason == "spill" and first != home
+        again, reason = pick(policy, bs, chat_request(tenant(3), "a third question " * 10))
+        assert (again, reason) == (first, "spill")
+        pin = prefix_key(True, chat_request(tenant(3), "x").data, MODEL, 64, 64).pin
+        return policy.pins[pin][0], home, first
+
+    members, home, first = spills(16)  # half the traffic
+    assert set(members) == {home, first}
+    members, home, _ = spills(400)  # one request in 26
+    assert members == (home,)
+
+
 def test_a_spill_reaches_the_other_proxies(redis_url) -> None:
     """A tenant spilled at one proxy spills (and overflows) to the same replica at the others: the
     spill goes out with the guard's recent overflows."""

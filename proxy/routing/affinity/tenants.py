@@ -272,13 +272,15 @@ class TenantStats:
 
     def may_grow(self, pin: int, size: int, n: int, now: float) -> bool:
         """Enough history, and the tenant alone nearly fills the replicas it has, even at the low
-        end of what its share could be, over the window or over its last quarter (a tenant
-        turning hot shows there first): estimated from this proxy's requests (a third of them
-        with three proxies), a 10 % tenant often looks like 25 % early on, and a needless copy of
-        its prompt costs every replica involved cache room for good."""
-        if not self.warm(now):
-            return False
-        need = size * self.grow_fill
+        end of what its share could be (`surely`): estimated from this proxy's requests (a third
+        of them with three proxies), a 10 % tenant often looks like 25 % early on, and a needless
+        copy of its prompt costs every replica involved cache room for good."""
+        return self.warm(now) and self.surely(pin, now, size * self.grow_fill / n)
+
+    def surely(self, pin: int, now: float, share: float) -> bool:
+        """The low end of what the tenant's share could be (a Poisson bound of _GROW_SIGMAS) is
+        `share` or more, over the window or over its last quarter (a tenant turning hot shows
+        there first)."""
         stats = self.seen.get(pin)
         for counts, fast in ((self.rate, False), (self.fast, True)):
             # most tenants have too few requests for a low bound above 0: no estimate needed
@@ -291,11 +293,11 @@ class TenantStats:
                     mine += other[0]
             if mine < _FEW_TO_GROW:
                 continue
-            share, seen = self._estimate(pin, now, counts, stats, fast)
-            mine = share * seen  # its requests (decayed); Poisson bound: a first request is not "100 %"
+            estimate, seen = self._estimate(pin, now, counts, stats, fast)
+            mine = estimate * seen  # its requests (decayed); Poisson bound: a first request is not "100 %"
             low = mine - _GROW_SIGMAS * math.sqrt(mine)
             low = (0.0 if 0.0 > low else low) / (1.0 if 1.0 > seen else seen)
-            if low * n >= need:
+            if low >= share:
                 return True
         return False
 

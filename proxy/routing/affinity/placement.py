@@ -195,7 +195,7 @@ class Placement:
         A tenant that spills there again grows by that replica when even the low end of its share
         (`TenantStats.surely`) pays for the copy, as one the guard overflows twice does (`overflowed`):
         until then a new hot tenant (after a popularity rotation, before `may_grow`'s evidence for a
-        fuller set came in) spilled request after request, and the packing repair moved it whole.
+        fuller set came in) spilled request after request, and was moved whole.
         Offline (one proxy, deterministic), rotations in 60 tenants, seeds 0-47: 0.9791 -> 0.9822 of
         the pooled bound, cells under 0.97 12 -> 7; the settled population 0.9838 -> 0.9857, 3 -> 1;
         random sequences (seeds 0-63) 0.9856 -> 0.9861 (docs/BENCHMARKS.md)."""

@@ -89,8 +89,10 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, expected: 
 
 
 async def run_load(workload: Workload, routers: list[str], concurrency: int, timeout_s: float = 120.0,
-                   out: LoadResult | None = None) -> LoadResult:
-    """Send the workload; `out` (optional) is filled as requests go, for a watcher in another thread."""
+                   out: LoadResult | None = None, by_tenant: bool = False) -> LoadResult:
+    """Send the workload; `out` (optional) is filled as requests go, for a watcher in another thread.
+    Requests go to the routers in turn, or (`by_tenant`) each tenant's always to the same one (an
+    L4 balancer that keeps a client on one proxy)."""
     turns, spec = workload.turns, workload.spec
     bodies = [orjson.dumps(t.body(spec)) for t in turns]
     completed = [asyncio.Event() for _ in turns]
@@ -109,7 +111,7 @@ async def run_load(workload: Workload, routers: list[str], concurrency: int, tim
                     await completed[turn.after].wait()
                 seq = len(out.sent_order)
                 out.sent_order.append(i)
-                await _one(session, urls[seq % len(urls)], bodies[i], turn.reply, out, i)
+                await _one(session, urls[(turn.tenant if by_tenant else seq) % len(urls)], bodies[i], turn.reply, out, i)
             finally:
                 completed[i].set()
 

@@ -24,6 +24,7 @@ all over the whole phase, including its first requests.
     python -m loadtest.affinity_drift --sequence rotate --offline --seeds 0-11  # rotations in 60 tenants (open)
     python -m loadtest.affinity_drift --sequence settled --offline --seeds 0-11  # the same, on a settled population
     python -m loadtest.affinity_drift --sequence random --offline --seeds 0-9   # a random sequence per seed
+    python -m loadtest.affinity_drift --proxies 3 --clients tenant   # each tenant's requests to one proxy
 
 A peer router (`vllm-router:<policy>` or `sglang:<policy>`, installed in --peers-venv) gets the
 same phases; replicas join and leave through its /add_worker and /remove_worker, and its
@@ -151,6 +152,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--policies", default="prefix_affinity,round_robin")
     add("--proxies", default="1,3")
     add("--concurrency", type=int, default=16)
+    add("--clients", choices=["round-robin", "tenant", "one"], default="round-robin",
+        help="how requests reach the proxies: in turn, each tenant's to one proxy, or all to the first proxy "
+        "(the others run and share Redis, idle)")
     add("--max-tokens", type=int, default=8)
     add("--cache-chars", type=int, default=48000,
         help="each replica's prefix cache, in characters of prompt (~1.2-2x less than a population's prompts)")
@@ -390,7 +394,8 @@ def live(args: argparse.Namespace, seed: int, policy: str, routers: int, tmp: Pa
                     wait_for(fleet.routers, f"r{i}", False)
             live_now = set(ph.replicas)
             before = {i: replica_requests(urls[i]) for i in live_now} if peer else None
-            load = asyncio.run(run_load(workload, fleet.routers, args.concurrency))
+            entry = fleet.routers[:1] if args.clients == "one" else fleet.routers
+            load = asyncio.run(run_load(workload, entry, args.concurrency, by_tenant=args.clients == "tenant"))
             counted.append({f"r{i}": replica_requests(urls[i]) - n for i, n in before.items()} if before else None)
             results.append((ph, workload, load.sent_order))
             loads.append(load)

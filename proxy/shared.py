@@ -18,7 +18,8 @@ changes it (`place`, `grow`, `set_pin`, `remember`), synchronously. Behind it:
   (`python -m loadtest.shared_delivery`), a change reaches a follower in ~0.3 ms against ~0.2 ms
   for pub/sub, both far below the flush interval;
 - a **sync** loop publishes this proxy's per-replica in-flight counts, smoothed routed counts
-  and busiest tenants a few times a second, and reads everyone else's.
+  (over the load window and its last quarter) and busiest tenants a few times a second, and
+  reads everyone else's.
 
 Both go at `busy_sync_interval_s` while requests are routed and another proxy shares the state.
 A proxy that has seen no other for `_ALONE_AFTER_S` (none of their load entries, balance
@@ -234,6 +235,10 @@ class SharedState:
         self.remote_rate_at = 0.0
         self.rate_tau = 30.0
         self.local_rates: Callable[[float], dict[str, float]] | None = None  # set by the policy
+        # the others' routed counts over a quarter load window (where their traffic goes now), decayed
+        # to `remote_rate_at`, and this proxy's (set by the policy)
+        self.remote_recent: dict[str, float] = {}
+        self.local_recent: Callable[[], dict[str, float]] | None = None
         # (tenant -> decayed requests routed here, all requests) at a time; set by the policy
         self.local_tenants: Callable[[float], tuple[dict[int, float], float] | None] | None = None
         self._tenants_at = 0.0
@@ -670,7 +675,9 @@ class SharedState:
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
         rates = self.local_rates(now) if self.local_rates is not None else {}
-        mine = {f"{self.proxy_id}|{b}": f"{n}|{now:.3f}|{rates.get(b, 0.0):.2f}" for b, n in self.local_load().items()}
+        recent = self.local_recent() if self.local_recent is not None else {}
+        mine = {f"{self.proxy_id}|{b}": f"{n}|{now:.3f}|{rates.get(b, 0.0):.2f}|{recent.get(b, 0.0):.2f}"
+                for b, n in self.local_load().items()}
         if mine:
             pipe.hset(LOAD_KEY, mapping=mine)
         since = now - self._tenants_at
@@ -700,7 +707,7 @@ class SharedState:
             pipe.hgetall(HOT_KEY)
         pipe.hgetall(LOAD_KEY)
         results = await asyncio.wait_for(pipe.execute(), self.io_timeout)
-        self.remote_load, self.remote_rate = self._others(results[-1], time.time())
+        self.remote_load, self.remote_rate, self.remote_recent = self._others(results[-1], time.time())
         self.remote_rate_at = now
         if self.local_hot is not None and self.on_hot is not None:
             self.on_hot(self._hot(results[-2], time.time()))
@@ -834,19 +841,25 @@ class SharedState:
         if expired:
             self._tasks.spawn(self._drop(expired, PINS_KEY), "drop expired pins")
 
-    def _others(self, table: dict[str, str], now: float) -> tuple[dict[str, int], dict[str, float]]:
+    def _others(self, table: dict[str, str],
+                now: float) -> tuple[dict[str, int], dict[str, float], dict[str, float]]:
+        """The other proxies' load entries, summed per replica: in-flight requests, and routed
+        counts over the load window and over its last quarter, decayed to now."""
         totals: dict[str, int] = {}
         rates: dict[str, float] = {}
+        recents: dict[str, float] = {}
         stale = []
         tau = self.rate_tau
         for field, value in table.items():
             proxy, _, backend = field.rpartition("|")
             count, _, rest = value.partition("|")
-            stamp, _, rate = rest.partition("|")
+            stamp, _, rest = rest.partition("|")
+            rate, _, recent = rest.partition("|")  # (a proxy of an older release publishes no recent count)
             try:
                 age = now - float(stamp)
                 n = int(count)
                 r = float(rate) if rate else 0.0
+                q = float(recent) if recent else 0.0
             except ValueError:
                 stale.append(field)
                 continue
@@ -856,9 +869,10 @@ class SharedState:
                 self.peers_at = time.monotonic()
                 totals[backend] = totals.get(backend, 0) + n
                 rates[backend] = rates.get(backend, 0.0) + r * math.exp(-max(age, 0.0) / tau)
+                recents[backend] = recents.get(backend, 0.0) + q * math.exp(-4.0 * max(age, 0.0) / tau)
         if stale:
             self._tasks.spawn(self._drop(stale), "drop stale load entries")
-        return totals, rates
+        return totals, rates, recents
 
     async def _drop(self, fields: list[str], key: str = LOAD_KEY) -> None:
         try:
@@ -876,6 +890,7 @@ class SharedState:
             self._tenants_read = None
             self.remote_load = {}
             self.remote_rate = {}
+            self.remote_recent = {}
             self.remote_guard = {}
             self._pending = {}
             self._ops = {}

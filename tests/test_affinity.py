@@ -842,6 +842,7 @@ def test_the_clock_counts_every_proxys_requests() -> None:
         pins_changed, up, remote_load, rate_tau = 0, False, {}, 1.0
         proxy_id, peer_ids, on_placed = "this", (), None
         remote_rate: dict = {}
+        remote_recent: dict = {}
         remote_guard: dict = {}
         routed = 0
         remote_rate_at = 0.0
@@ -864,6 +865,41 @@ def test_the_clock_counts_every_proxys_requests() -> None:
     before = policy.clock
     pick(policy, bs, chat_request(tenant(1), "one more"))
     assert policy.clock - before == pytest.approx(policy.view.proxies, rel=0.05)
+
+
+def test_where_traffic_goes_now_is_every_proxys() -> None:
+    """Placement scores replicas (and a tenant's set picks its member) by where traffic goes now:
+    this proxy's routed counts over a quarter load window plus the other proxies' as their load
+    entries publish them. With clients kept on one proxy each (an L4 balancer), a proxy's own
+    counts show only its own tenants' traffic; it placed newcomers onto the replica the others'
+    tenants kept busy, and the guard overflowed them (docs/BENCHMARKS.md)."""
+    from types import SimpleNamespace
+
+    from proxy.routing.affinity.load import LoadView
+    from proxy.routing.affinity.ranking import ranked
+
+    shared = SimpleNamespace(remote_load={}, remote_rate={}, remote_recent={}, remote_rate_at=0.0, rate_tau=1.0,
+                             local_rates=None, local_recent=None)
+    view = LoadView(AffinityConfig(), shared, time.time)  # type: ignore[arg-type]
+    bs = backends(4)
+    for i in range(80):  # this proxy's own traffic: even
+        view.tick(time.time())
+        view.count(bs[i % 4].name, view.clock)
+    mine = shared.local_recent()  # what its load entries publish
+    assert sorted(mine) == sorted(b.name for b in bs) and max(mine.values()) < 1.2 * min(mine.values())
+    table = PrefixAffinity(AffinityConfig()).table
+    rates, flights = [0.0] * 4, [0] * 4
+
+    def firsts() -> Counter:
+        return Counter(ranked(view, table, bs, rates, flights, 1e9, 1000, pin_of(f"newcomer {k} " * 30), ())[0][2].name
+                       for k in range(40))
+
+    target = firsts().most_common(1)[0][0]  # where this proxy's own counts would place newcomers
+    at = next(i for i, b in enumerate(bs) if b.name == target)
+    shared.remote_recent, shared.remote_rate_at = {target: 3 * mine[target]}, time.time()
+    loads = view.recent_loads(bs)
+    assert loads[at] > 3 * min(loads)
+    assert firsts()[target] == 0
 
 
 def test_the_packing_repair_runs_in_the_policys_own_task_not_in_pick() -> None:

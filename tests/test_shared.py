@@ -193,6 +193,34 @@ def test_a_busy_proxy_shares_its_load_at_the_busy_interval(redis_url: str) -> No
     asyncio.run(scenario())
 
 
+def test_the_load_view_carries_where_each_proxys_traffic_goes_now(redis_url: str) -> None:
+    """Each proxy's load entries carry its routed counts over the last quarter load window
+    (`local_recent`); every other proxy reads them summed per replica (`remote_recent`), so
+    placement weighs the fleet's recent traffic, not this proxy's part of it."""
+    async def scenario() -> None:
+        states = []
+        for recent in ({"gpu-0": 12.0, "gpu-1": 1.0}, {"gpu-0": 2.0, "gpu-1": 0.0}, {}):
+            s = SharedState(redis_url, local_load=lambda: {"gpu-0": 0, "gpu-1": 0}, sync_interval_s=0.05,
+                            busy_sync_interval_s=0.01)
+            s.local_recent = lambda recent=recent: dict(recent)
+            states.append(s)
+            s.start()
+        a, b, c = states
+        try:
+            def c_sees() -> bool:
+                for s in states:
+                    s.busy = True
+                return 13.0 < c.remote_recent.get("gpu-0", 0.0) <= 14.0 and 0.9 < c.remote_recent.get("gpu-1", 0.0) <= 1.0
+
+            await until(c_sees, timeout=30.0)
+            await until(lambda: 1.9 < a.remote_recent.get("gpu-0", 0.0) <= 2.0, timeout=30.0)  # not its own
+        finally:
+            for s in states:
+                await s.stop()
+
+    asyncio.run(scenario())
+
+
 def test_a_proxy_alone_syncs_at_a_longer_interval_until_another_shares_the_state(redis_url: str) -> None:
     """Nobody reads the view of a proxy that is alone: its busy rounds (load sync, index flush)
     go five busy intervals apart, at most sync_interval_s. Another proxy's load entries bring

@@ -18,8 +18,8 @@ changes it (`place`, `grow`, `set_pin`, `remember`), synchronously. Behind it:
   (`python -m loadtest.shared_delivery`), a change reaches a follower in ~0.3 ms against ~0.2 ms
   for pub/sub, both far below the flush interval;
 - a **sync** loop publishes this proxy's per-replica in-flight counts, smoothed routed counts
-  (over the load window and its last quarter) and busiest tenants a few times a second, and
-  reads everyone else's.
+  and busiest tenants (with its routed counts over the last quarter load window) a few times a
+  second, and reads everyone else's.
 
 Both go at `busy_sync_interval_s` while requests are routed and another proxy shares the state.
 A proxy that has seen no other for `_ALONE_AFTER_S` (none of their load entries, balance
@@ -235,8 +235,8 @@ class SharedState:
         self.remote_rate_at = 0.0
         self.rate_tau = 30.0
         self.local_rates: Callable[[float], dict[str, float]] | None = None  # set by the policy
-        # the others' routed counts over a quarter load window (where their traffic goes now), decayed
-        # to `remote_rate_at`, and this proxy's (set by the policy)
+        # the others' routed counts over a quarter load window (where their traffic goes now, read
+        # with their busy tenants: `_hot`), decayed to `remote_rate_at`, and this proxy's (set by the policy)
         self.remote_recent: dict[str, float] = {}
         self.local_recent: Callable[[], dict[str, float]] | None = None
         # (tenant -> decayed requests routed here, all requests) at a time; set by the policy
@@ -675,9 +675,7 @@ class SharedState:
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
         rates = self.local_rates(now) if self.local_rates is not None else {}
-        recent = self.local_recent() if self.local_recent is not None else {}
-        mine = {f"{self.proxy_id}|{b}": f"{n}|{now:.3f}|{rates.get(b, 0.0):.2f}|{recent.get(b, 0.0):.2f}"
-                for b, n in self.local_load().items()}
+        mine = {f"{self.proxy_id}|{b}": f"{n}|{now:.3f}|{rates.get(b, 0.0):.2f}" for b, n in self.local_load().items()}
         if mine:
             pipe.hset(LOAD_KEY, mapping=mine)
         since = now - self._tenants_at
@@ -699,15 +697,17 @@ class SharedState:
                 pipe.hset(GUARD_KEY, mapping=windows)
                 self._guard_fields.update(windows)
         if self.local_hot is not None and busy:
+            recent = self.local_recent() if self.local_recent is not None else {}
             pipe.hset(HOT_KEY, self.proxy_id, orjson.dumps({"at": now, "hot": [
-                (f"{pin:016x}", *(round(x, 3) for x in counts)) for pin, *counts in self.local_hot()]}))
+                (f"{pin:016x}", *(round(x, 3) for x in counts)) for pin, *counts in self.local_hot()],
+                "recent": {b: round(v, 2) for b, v in recent.items() if b is not None}}))
         if self.local_guard is not None:
             pipe.hgetall(GUARD_KEY)
         if self.local_hot is not None:
             pipe.hgetall(HOT_KEY)
         pipe.hgetall(LOAD_KEY)
         results = await asyncio.wait_for(pipe.execute(), self.io_timeout)
-        self.remote_load, self.remote_rate, self.remote_recent = self._others(results[-1], time.time())
+        self.remote_load, self.remote_rate = self._others(results[-1], time.time())
         self.remote_rate_at = now
         if self.local_hot is not None and self.on_hot is not None:
             self.on_hot(self._hot(results[-2], time.time()))
@@ -716,8 +716,10 @@ class SharedState:
 
     def _hot(self, table: dict[str, str], now: float) -> list[HotTenants]:
         """The other proxies' fresh busy tenants (`HotTenants`); a proxy idle for long is left out
-        (its entry, once older still, dropped)."""
+        (its entry, once older still, dropped). On the way, their recent routed counts per replica
+        (`remote_recent`, published beside them: a proxy of an older release publishes none)."""
         out: list[HotTenants] = []
+        recents: dict[str, float] = {}
         stale = []
         peers: set[str] = set()
         fresh = max(_GUARD_FRESH_S, self.rate_tau)
@@ -736,8 +738,15 @@ class SharedState:
                 stale.append(proxy)
             elif age <= fresh:
                 out.append((max(age, 0.0), hot))
+                recent = entry.get("recent")
+                if isinstance(recent, dict):
+                    decay = math.exp(-4.0 * max(age, 0.0) / self.rate_tau)  # (a quarter load window)
+                    for name, count in recent.items():
+                        if isinstance(count, (int, float)):
+                            recents[name] = recents.get(name, 0.0) + count * decay
                 if age <= _GUARD_FRESH_S:  # (published only by a proxy that routed since its last sync)
                     peers.add(proxy)
+        self.remote_recent = recents
         if stale:
             self._tasks.spawn(self._drop(stale, HOT_KEY), "drop stale busy tenants")
         if peers != set(self.peer_ids):
@@ -841,25 +850,19 @@ class SharedState:
         if expired:
             self._tasks.spawn(self._drop(expired, PINS_KEY), "drop expired pins")
 
-    def _others(self, table: dict[str, str],
-                now: float) -> tuple[dict[str, int], dict[str, float], dict[str, float]]:
-        """The other proxies' load entries, summed per replica: in-flight requests, and routed
-        counts over the load window and over its last quarter, decayed to now."""
+    def _others(self, table: dict[str, str], now: float) -> tuple[dict[str, int], dict[str, float]]:
         totals: dict[str, int] = {}
         rates: dict[str, float] = {}
-        recents: dict[str, float] = {}
         stale = []
         tau = self.rate_tau
         for field, value in table.items():
             proxy, _, backend = field.rpartition("|")
             count, _, rest = value.partition("|")
-            stamp, _, rest = rest.partition("|")
-            rate, _, recent = rest.partition("|")  # (a proxy of an older release publishes no recent count)
+            stamp, _, rate = rest.partition("|")
             try:
                 age = now - float(stamp)
                 n = int(count)
                 r = float(rate) if rate else 0.0
-                q = float(recent) if recent else 0.0
             except ValueError:
                 stale.append(field)
                 continue
@@ -869,10 +872,9 @@ class SharedState:
                 self.peers_at = time.monotonic()
                 totals[backend] = totals.get(backend, 0) + n
                 rates[backend] = rates.get(backend, 0.0) + r * math.exp(-max(age, 0.0) / tau)
-                recents[backend] = recents.get(backend, 0.0) + q * math.exp(-4.0 * max(age, 0.0) / tau)
         if stale:
             self._tasks.spawn(self._drop(stale), "drop stale load entries")
-        return totals, rates, recents
+        return totals, rates
 
     async def _drop(self, fields: list[str], key: str = LOAD_KEY) -> None:
         try:

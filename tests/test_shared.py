@@ -193,16 +193,18 @@ def test_a_busy_proxy_shares_its_load_at_the_busy_interval(redis_url: str) -> No
     asyncio.run(scenario())
 
 
-def test_the_load_view_carries_where_each_proxys_traffic_goes_now(redis_url: str) -> None:
-    """Each proxy's load entries carry its routed counts over the last quarter load window
-    (`local_recent`); every other proxy reads them summed per replica (`remote_recent`), so
-    placement weighs the fleet's recent traffic, not this proxy's part of it."""
+def test_each_proxy_shares_where_its_traffic_goes_now(redis_url: str) -> None:
+    """Each proxy publishes its routed counts over the last quarter load window (`local_recent`)
+    beside its busy tenants (an older release, which reads only those, ignores them); every other
+    proxy reads them summed per replica (`remote_recent`), so placement weighs the fleet's recent
+    traffic, not this proxy's part of it."""
     async def scenario() -> None:
         states = []
         for recent in ({"gpu-0": 12.0, "gpu-1": 1.0}, {"gpu-0": 2.0, "gpu-1": 0.0}, {}):
             s = SharedState(redis_url, local_load=lambda: {"gpu-0": 0, "gpu-1": 0}, sync_interval_s=0.05,
                             busy_sync_interval_s=0.01)
             s.local_recent = lambda recent=recent: dict(recent)
+            s.local_hot, s.on_hot = list, lambda entries: None  # (as the policy sets them)
             states.append(s)
             s.start()
         a, b, c = states

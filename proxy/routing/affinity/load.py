@@ -4,8 +4,8 @@ The clock advances by one request over all proxies (each proxy steps it by the n
 proxies it infers from the shared load view). The bound applies to the **smoothed** load: the
 decayed count of requests routed to each replica, this proxy's plus the others' (published
 through Redis, aged at the observed request rate); placement scores by the **recent** count
-(a quarter of the window: where traffic goes now), this proxy's plus the others' as their load
-entries last published them; in-flight counts only guard against a real queue. A replica that
+(a quarter of the window: where traffic goes now), this proxy's plus the others' as their sync
+last published them; in-flight counts only guard against a real queue. A replica that
 joined counts at least the others' mean at first, falling linearly to its own over
 `load_window_requests`, so the others do not all look over the bound.
 A replica markedly slower than the fastest counts more per request (proxy/routing/speed.py).
@@ -40,7 +40,7 @@ class LoadView:
         self._rate_mark = (wall(), 0.0)  # (wall, clock) where the current measurement started
         self.routed = DecayedCounts(config.load_window_requests, 0.0)  # per backend name, and None = all
         # the same over a quarter of the window, this proxy only: where traffic goes now (placement;
-        # published with the load view, and the others' added in `recent_loads`)
+        # published by the sync with the busy tenants, and the others' added in `recent_loads`)
         self.recent = DecayedCounts(config.load_window_requests / 4, 0.0)
         self.joined: dict[str, float] = {}  # replica -> clock when it joined (its load is ramped up)
         self.fleet_rate = 0.0  # smoothed requests routed over all proxies, as of the last decision

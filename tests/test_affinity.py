@@ -869,8 +869,8 @@ def test_the_clock_counts_every_proxys_requests() -> None:
 
 def test_where_traffic_goes_now_is_every_proxys() -> None:
     """Placement scores replicas (and a tenant's set picks its member) by where traffic goes now:
-    this proxy's routed counts over a quarter load window plus the other proxies' as their load
-    entries publish them. With clients kept on one proxy each (an L4 balancer), a proxy's own
+    this proxy's routed counts over a quarter load window plus the other proxies' as their sync
+    publishes them. With clients kept on one proxy each (an L4 balancer), a proxy's own
     counts show only its own tenants' traffic; it placed newcomers onto the replica the others'
     tenants kept busy, and the guard overflowed them (docs/BENCHMARKS.md)."""
     from types import SimpleNamespace
@@ -880,12 +880,13 @@ def test_where_traffic_goes_now_is_every_proxys() -> None:
 
     shared = SimpleNamespace(remote_load={}, remote_rate={}, remote_recent={}, remote_rate_at=0.0, rate_tau=1.0,
                              local_rates=None, local_recent=None)
-    view = LoadView(AffinityConfig(), shared, time.time)  # type: ignore[arg-type]
+    wall = 1000.0  # (a fixed wall clock: the others' counts are aged by wall time at the measured rate)
+    view = LoadView(AffinityConfig(), shared, lambda: wall)  # type: ignore[arg-type]
     bs = backends(4)
     for i in range(80):  # this proxy's own traffic: even
-        view.tick(time.time())
+        view.tick(wall)
         view.count(bs[i % 4].name, view.clock)
-    mine = shared.local_recent()  # what its load entries publish
+    mine = shared.local_recent()  # what its sync publishes
     assert sorted(mine) == sorted(b.name for b in bs) and max(mine.values()) < 1.2 * min(mine.values())
     table = PrefixAffinity(AffinityConfig()).table
     rates, flights = [0.0] * 4, [0] * 4
@@ -896,7 +897,7 @@ def test_where_traffic_goes_now_is_every_proxys() -> None:
 
     target = firsts().most_common(1)[0][0]  # where this proxy's own counts would place newcomers
     at = next(i for i, b in enumerate(bs) if b.name == target)
-    shared.remote_recent, shared.remote_rate_at = {target: 3 * mine[target]}, time.time()
+    shared.remote_recent, shared.remote_rate_at = {target: 3 * mine[target]}, wall
     loads = view.recent_loads(bs)
     assert loads[at] > 3 * min(loads)
     assert firsts()[target] == 0

@@ -25,14 +25,18 @@ all over the whole phase, including its first requests.
     python -m loadtest.affinity_drift --sequence settled --offline --seeds 0-11  # the same, on a settled population
     python -m loadtest.affinity_drift --sequence random --offline --seeds 0-9   # a random sequence per seed
     python -m loadtest.affinity_drift --proxies 3 --clients tenant   # each tenant's requests to one proxy
+    python -m loadtest.affinity_drift --offline --proxies 1,3 --sequence random --seeds 0-15   # 3 proxies, lagging
 
 A peer router (`vllm-router:<policy>` or `sglang:<policy>`, installed in --peers-venv) gets the
 same phases; replicas join and leave through its /add_worker and /remove_worker, and its
 per-replica counts are read from the replicas (it names no backend in its answers).
 
-`--offline` routes every request through `PrefixAffinity.pick` (one proxy, no Redis, no timing)
-and replays each replica's requests through the sim's cache: deterministic, for comparing policy
-changes over many seeds. Since the policy counts time in requests, `--rate` does not change it.
+`--offline` routes every request through `PrefixAffinity.pick` (no timing: a conversation's next
+turn goes once its previous one completed, `--concurrency` requests later) and replays each
+replica's requests through the sim's cache: deterministic, for comparing policy changes over many
+seeds. Since the policy counts time in requests, `--rate` does not change it. `--offline --proxies
+3` runs three policies that share a private Redis and exchange their state every so many requests
+(`--sync-every`, `--stream-every`): the proxies' lag in requests without the machine's noise.
 """
 from __future__ import annotations
 
@@ -150,7 +154,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--phases", help="a comma list of the sequence's phases (default: all)")
     add("--seeds", default="0", help="a range (0-3) or a comma list; each seed is a separate run")
     add("--policies", default="prefix_affinity,round_robin")
-    add("--proxies", default="1,3")
+    add("--proxies", help="comma list of proxy counts (default: 1,3 live, 1 offline)")
     add("--concurrency", type=int, default=16)
     add("--clients", choices=["round-robin", "tenant", "one"], default="round-robin",
         help="how requests reach the proxies: in turn, each tenant's to one proxy, or all to the first proxy "
@@ -167,8 +171,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--offline", action="store_true")
     add("--knobs", default="{}", help="routing.prefix_affinity settings as JSON (offline)")
     add("--rate", type=float, default=160.0, help="offline: requests a second on the simulated clock")
+    add("--sync-every", type=int, default=48, help="offline, several proxies: requests between a proxy's load "
+        "syncs (its load view, busy tenants and guard windows out, the others' in)")
+    add("--stream-every", type=int, default=16, help="offline, several proxies: requests between a proxy's reads "
+        "of the change stream (the others' index entries and placements; its own placements go out at once)")
     add("--json", help="write all results to this file")
     return p.parse_args(argv)
+
+
+def proxy_counts(args: argparse.Namespace) -> list[int]:
+    return [int(x) for x in (args.proxies or ("1" if args.offline else "1,3")).split(",") if x]
 
 
 def workloads(args: argparse.Namespace, seed: int) -> list[tuple[Phase, Workload]]:
@@ -251,8 +263,19 @@ def trace(turns: list, picks: list[tuple[str, str]], mine: list[tuple[int, int]]
 
 
 # -- offline ---------------------------------------------------------------------------------------
-def offline(args: argparse.Namespace, seed: int) -> list[dict]:
+def offline(args: argparse.Namespace, seed: int, routers: int = 1) -> list[dict]:
+    """Every request through `PrefixAffinity.pick` on a simulated clock, a conversation's next turn
+    once its previous one completed (`--concurrency` requests later). With `routers` > 1 that many
+    policies, each with its own SharedState on a private Redis, take the requests in turn (or as
+    `--clients` says) and exchange what they share at staggered points: each sends its placements
+    at once, reads the change stream (the others' placements and index entries) every
+    `--stream-every` requests and runs its load sync every `--sync-every`. The lag between the
+    proxies is then a number of requests, deterministic, with no CPU noise: at 1 request three
+    proxies route as one does; at the defaults (48 / 16) they lose what three live proxies at 10x
+    the rate lose on two cores (docs/BENCHMARKS.md)."""
     from loadtest.affinity_replay import SimulatedClock
+    from loadtest.private_redis import PrivateRedis
+    from proxy import shared as shared_module
     from proxy.config import AffinityConfig, BackendConfig
     from proxy.parse import CHAT, parse_request
     from proxy.routing.backends import Backend
@@ -262,55 +285,128 @@ def offline(args: argparse.Namespace, seed: int) -> list[dict]:
     phases = workloads(args, seed)
     model = phases[0][1].spec.model
     tokens = blocks_per_replica(args) * args.block_size
-    backends = []
-    for i in range(REPLICAS):
-        backend = Backend(BackendConfig(name=f"r{i}", url=f"http://127.0.0.1:{9000 + i}"))
-        backend.healthy, backend.cache_tokens = True, tokens
-        backends.append(backend)
-    route = Route(name=model, model=model, adapter=None, backends=tuple(backends))
+    proxies = routers
+    fleets = []  # each proxy's own replica objects (its own in-flight counts)
+    for _ in range(proxies):
+        backends = []
+        for i in range(REPLICAS):
+            backend = Backend(BackendConfig(name=f"r{i}", url=f"http://127.0.0.1:{9000 + i}"))
+            backend.healthy, backend.cache_tokens = True, tokens
+            backends.append(backend)
+        fleets.append(backends)
+    routes = [Route(name=model, model=model, adapter=None, backends=tuple(b)) for b in fleets]
     clock = SimulatedClock()
     caches = Caches(model, args.block_size)
     results: list[tuple[Phase, Workload, list[int]]] = []
     mine: list[list[tuple[int, int]]] = []
     served: list[list[str]] = []
     reasons: list[list[str]] = []
-    # (no exchange runs here to release a coalescing leader: requests are routed, never sent)
-    policy = PrefixAffinity(AffinityConfig(**{"coalesce_wait_s": 0.0, **json.loads(args.knobs)}), timer=clock)
-    in_flight: deque[Backend] = deque()
+    # (no exchange runs here to release a coalescing leader: requests are routed, never sent; no
+    # placement hold: nothing waits)
+    knobs = {"coalesce_wait_s": 0.0, "placement_hold_s": 0.0, **json.loads(args.knobs)}
+    in_flight: deque[tuple[int, Backend]] = deque()  # (turn, replica), oldest first
+    redis = PrivateRedis().start() if proxies > 1 else None
 
     async def route_all() -> None:
+        states = []
+        if redis is not None:
+            shared_module.time = clock  # type: ignore[assignment]  (its ages on the simulated clock; put back below)
+            for backends in fleets:
+                state = shared_module.SharedState(
+                    redis.url, local_load=lambda b=backends: {x.name: x.in_flight for x in b})
+                await state._join()
+                states.append(state)
+        policies = [PrefixAffinity(AffinityConfig(**knobs), states[k] if states else None, timer=clock)
+                    for k in range(proxies)]
+
+        async def exchange(state: shared_module.SharedState, stream: bool, sync: bool) -> None:
+            """One proxy's turn: its queued index entries out, the stream read up to now, its load sync."""
+            if stream:
+                await state.flush()
+                found = await state.client.xread({shared_module.LOG_KEY: state._cursor}, count=100_000)
+                for _, entries in found or ():
+                    for entry_id, fields in entries:
+                        if fields.get("p") != state.proxy_id:
+                            state.peers_at = clock.now
+                        state._apply(fields)
+                        state._set_cursor(entry_id)
+            if sync:
+                await state._sync()
+
         live: set[int] = set()
+        sent = 0
         for ph, workload in phases:
             for i in set(ph.replicas) - live:
                 caches.reset(i, blocks_per_replica(args))  # joins cold
             live = set(ph.replicas)
-            candidates = [backends[i] for i in sorted(live)]
             while in_flight:
-                in_flight.popleft().in_flight -= 1
-            hits, names, via = [], [], []
-            for turn in workload.turns:
+                in_flight.popleft()[1].in_flight -= 1
+            hits, names, via, order = [], [], [], []
+            turns = workload.turns
+            done = [False] * len(turns)
+            waiting: deque[int] = deque()  # turns whose previous turn is still in flight, in order
+            cursor = 0
+            while cursor < len(turns) or waiting:
+                # a conversation's next turn goes once its previous one completed (the closed loop
+                # completes the oldest request when `--concurrency` are in flight), as a client sends
+                # it; meanwhile the next turns go
+                if waiting and done[turns[waiting[0]].after]:  # type: ignore[index]
+                    i = waiting.popleft()
+                elif cursor < len(turns):
+                    i, cursor = cursor, cursor + 1
+                    after = turns[i].after
+                    if after is not None and not done[after]:
+                        waiting.append(i)
+                        continue
+                else:  # only waiting turns: complete the oldest in flight
+                    j, backend = in_flight.popleft()
+                    backend.in_flight -= 1
+                    done[j] = True
+                    continue
+                turn = turns[i]
                 clock.now += 1.0 / args.rate
                 if len(in_flight) >= args.concurrency:
-                    in_flight.popleft().in_flight -= 1
+                    j, backend = in_flight.popleft()
+                    backend.in_flight -= 1
+                    done[j] = True
+                k = (turn.tenant if args.clients == "tenant" else 0 if args.clients == "one" else sent) % proxies
+                sent += 1
+                candidates = [fleets[k][r] for r in sorted(live)]
                 body = turn.body(workload.spec)
-                backend, reason = await policy.pick(candidates, parse_request(CHAT, orjson.dumps(body)), route)
-                await policy.maintain()  # the packing repair runs to completion where it starts
+                backend, reason = await policies[k].pick(candidates, parse_request(CHAT, orjson.dumps(body)),
+                                                         routes[k])
+                await policies[k].maintain()  # the packing repair runs to completion where it starts
+                if states and states[k]._ops:  # (placements go out at once, as the flusher sends them)
+                    await states[k].flush()
+                for j, state in enumerate(states):  # (each proxy at its own time: staggered)
+                    stream = (sent + j * args.stream_every // proxies) % args.stream_every == 0
+                    sync = (sent + j * args.sync_every // proxies) % args.sync_every == 0
+                    if stream or sync:
+                        await exchange(state, stream, sync)
                 backend.in_flight += 1
-                in_flight.append(backend)
+                in_flight.append((i, backend))
+                order.append(i)
                 names.append(backend.name)
                 via.append(reason)
-                hits.append(await caches.feed(backends.index(backend), body))
-            results.append((ph, workload, list(range(len(workload.turns)))))
+                hits.append(await caches.feed(int(backend.name[1:]), body))
+            results.append((ph, workload, order))
             mine.append(hits)
             served.append(names)
             reasons.append(via)
+        for state in states:
+            await state.close()
 
-    asyncio.run(route_all())
+    try:
+        asyncio.run(route_all())
+    finally:
+        shared_module.time = time  # type: ignore[assignment]
+        if redis is not None:
+            redis.stop()
     bound = pooled(results, args)
     out = []
-    for k, (ph, workload, _) in enumerate(results):
+    for k, (ph, workload, order) in enumerate(results):
         row = summarize(ph, served[k], mine[k], bound[k], [])
-        row["trace"] = trace(workload.turns, list(zip(served[k], reasons[k])), mine[k], bound[k])
+        row["trace"] = trace([workload.turns[i] for i in order], list(zip(served[k], reasons[k])), mine[k], bound[k])
         out.append(row)
     return out
 
@@ -440,10 +536,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[tuple[str, list[dict]]] = []
     started = time.perf_counter()
     if args.offline:
-        for seed in seeds(args.seeds):
-            rows = offline(args, seed)
-            runs.append((f"offline prefix_affinity {args.knobs} seed {seed}", rows))
-            print_run(runs[-1][0], rows)
+        for routers in proxy_counts(args):
+            for seed in seeds(args.seeds):
+                rows = offline(args, seed, routers)
+                runs.append((f"offline prefix_affinity x{routers} {args.knobs} seed {seed}", rows))
+                print_run(runs[-1][0], rows)
     else:
         tmp = Path(tempfile.mkdtemp(prefix="drift-"))
         print(f"phases of {args.requests} requests, concurrency {args.concurrency}, time scale {args.time_scale}, "
@@ -454,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             if why:
                 print(f"[skip] {policy}: {why.splitlines()[-1]}", file=sys.stderr)
                 continue
-            for routers in [int(x) for x in args.proxies.split(",") if x]:
+            for routers in proxy_counts(args):
                 for seed in seeds(args.seeds):
                     t0 = time.perf_counter()
                     rows = live(args, seed, policy, routers, tmp)

@@ -622,6 +622,23 @@ def test_offline_replay_measures_the_policy() -> None:
     assert spread["share"] < result["share"]
 
 
+def test_offline_proxies_route_as_one_when_they_exchange_at_every_request() -> None:
+    """loadtest.affinity_drift --offline --proxies 3 (three policies on one private Redis, their
+    exchanges every so many requests) is how the proxies' lag is measured without the machine's
+    noise: exchanging at every request they must route as one proxy does, and never exchanging
+    within a phase they must lose (each places the new population on its own)."""
+    from loadtest.affinity_drift import offline, parse_args
+
+    base = ["--offline", "--phases", "many,few", "--requests", "300", "--seeds", "0"]
+    one = offline(parse_args(base), 0, 1)
+    synced = offline(parse_args(base + ["--sync-every", "1", "--stream-every", "1"]), 0, 3)
+    apart = offline(parse_args(base + ["--sync-every", "300", "--stream-every", "300"]), 0, 3)
+    assert [len(row["trace"]) for row in synced] == [300, 300]
+    for alone, shared in zip(one, synced):
+        assert shared["hit"] >= alone["hit"] - 0.01
+    assert apart[0]["hit"] < one[0]["hit"] - 0.05
+
+
 # -- adapting: time in requests, forgetting, drift, fleet changes -----------------------------------
 def test_decayed_counts_keep_their_scale_across_a_renormalisation() -> None:
     """An add that renormalises the accumulators must land in the renormalised table (it once

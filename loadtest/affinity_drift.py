@@ -285,9 +285,8 @@ def offline(args: argparse.Namespace, seed: int, routers: int = 1) -> list[dict]
     phases = workloads(args, seed)
     model = phases[0][1].spec.model
     tokens = blocks_per_replica(args) * args.block_size
-    proxies = routers
     fleets = []  # each proxy's own replica objects (its own in-flight counts)
-    for _ in range(proxies):
+    for _ in range(routers):
         backends = []
         for i in range(REPLICAS):
             backend = Backend(BackendConfig(name=f"r{i}", url=f"http://127.0.0.1:{9000 + i}"))
@@ -305,7 +304,7 @@ def offline(args: argparse.Namespace, seed: int, routers: int = 1) -> list[dict]
     # placement hold: nothing waits)
     knobs = {"coalesce_wait_s": 0.0, "placement_hold_s": 0.0, **json.loads(args.knobs)}
     in_flight: deque[tuple[int, Backend]] = deque()  # (turn, replica), oldest first
-    redis = PrivateRedis().start() if proxies > 1 else None
+    redis = PrivateRedis().start() if routers > 1 else None
 
     async def route_all() -> None:
         states = []
@@ -317,19 +316,13 @@ def offline(args: argparse.Namespace, seed: int, routers: int = 1) -> list[dict]
                 await state._join()
                 states.append(state)
         policies = [PrefixAffinity(AffinityConfig(**knobs), states[k] if states else None, timer=clock)
-                    for k in range(proxies)]
+                    for k in range(routers)]
 
         async def exchange(state: shared_module.SharedState, stream: bool, sync: bool) -> None:
             """One proxy's turn: its queued index entries out, the stream read up to now, its load sync."""
             if stream:
                 await state.flush()
-                found = await state.client.xread({shared_module.LOG_KEY: state._cursor}, count=100_000)
-                for _, entries in found or ():
-                    for entry_id, fields in entries:
-                        if fields.get("p") != state.proxy_id:
-                            state.peers_at = clock.now
-                        state._apply(fields)
-                        state._set_cursor(entry_id)
+                await state.catch_up()
             if sync:
                 await state._sync()
 
@@ -369,7 +362,7 @@ def offline(args: argparse.Namespace, seed: int, routers: int = 1) -> list[dict]
                     j, backend = in_flight.popleft()
                     backend.in_flight -= 1
                     done[j] = True
-                k = (turn.tenant if args.clients == "tenant" else 0 if args.clients == "one" else sent) % proxies
+                k = (turn.tenant if args.clients == "tenant" else 0 if args.clients == "one" else sent) % routers
                 sent += 1
                 candidates = [fleets[k][r] for r in sorted(live)]
                 body = turn.body(workload.spec)
@@ -379,8 +372,8 @@ def offline(args: argparse.Namespace, seed: int, routers: int = 1) -> list[dict]
                 if states and states[k]._ops:  # (placements go out at once, as the flusher sends them)
                     await states[k].flush()
                 for j, state in enumerate(states):  # (each proxy at its own time: staggered)
-                    stream = (sent + j * args.stream_every // proxies) % args.stream_every == 0
-                    sync = (sent + j * args.sync_every // proxies) % args.sync_every == 0
+                    stream = (sent + j * args.stream_every // routers) % args.stream_every == 0
+                    sync = (sent + j * args.sync_every // routers) % args.sync_every == 0
                     if stream or sync:
                         await exchange(state, stream, sync)
                 backend.in_flight += 1

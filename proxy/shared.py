@@ -593,12 +593,25 @@ class SharedState:
                 except Exception:
                     pass
                 continue
-            for _, entries in found or ():
-                for entry_id, fields in entries:
-                    if fields.get("p") != self.proxy_id:
-                        self.peers_at = time.monotonic()
-                    self._apply(fields)
-                    self._set_cursor(entry_id)
+            self._follow(found)
+
+    async def catch_up(self) -> None:
+        """Apply what the stream holds past the cursor now, without waiting (the reader does this;
+        the offline benchmarks, which run no reader, call it at the points they choose)."""
+        while True:
+            found = await self.client.xread({LOG_KEY: self._cursor}, count=_READ_COUNT)
+            self._follow(found)
+            if not found or len(found[0][1]) < _READ_COUNT:
+                return
+
+    def _follow(self, found: list | None) -> None:
+        """Apply an XREAD answer in order, moving the cursor past each entry."""
+        for _, entries in found or ():
+            for entry_id, fields in entries:
+                if fields.get("p") != self.proxy_id:
+                    self.peers_at = time.monotonic()
+                self._apply(fields)
+                self._set_cursor(entry_id)
 
     def _apply(self, fields: dict[str, str]) -> None:
         """One stream entry: index entries of another proxy, and placements now in force."""

@@ -300,9 +300,8 @@ def offline(args: argparse.Namespace, seed: int, routers: int = 1) -> list[dict]
     mine: list[list[tuple[int, int]]] = []
     served: list[list[str]] = []
     reasons: list[list[str]] = []
-    # (no exchange runs here to release a coalescing leader: requests are routed, never sent; no
-    # placement hold: nothing waits)
-    knobs = {"coalesce_wait_s": 0.0, "placement_hold_s": 0.0, **json.loads(args.knobs)}
+    # (no exchange runs here to release a coalescing leader: requests are routed, never sent)
+    knobs = {"coalesce_wait_s": 0.0, **json.loads(args.knobs)}
     in_flight: deque[tuple[int, Backend]] = deque()  # (turn, replica), oldest first
     redis = PrivateRedis().start() if routers > 1 else None
 
@@ -366,8 +365,16 @@ def offline(args: argparse.Namespace, seed: int, routers: int = 1) -> list[dict]
                 sent += 1
                 candidates = [fleets[k][r] for r in sorted(live)]
                 body = turn.body(workload.spec)
-                backend, reason = await policies[k].pick(candidates, parse_request(CHAT, orjson.dumps(body)),
-                                                         routes[k])
+                picking = asyncio.ensure_future(policies[k].pick(candidates, parse_request(CHAT, orjson.dumps(body)),
+                                                                 routes[k]))
+                await asyncio.sleep(0)
+                while not picking.done():  # a new tenant's request waits for its placement's answer: it goes out now
+                    await states[k].flush()  # (and where another proxy placed it first, the stream is read up to it)
+                    await asyncio.sleep(0)
+                    if not picking.done():
+                        await states[k].catch_up()
+                        await asyncio.sleep(0)
+                backend, reason = picking.result()
                 await policies[k].maintain()  # the packing repair runs to completion where it starts
                 if states and states[k]._ops:  # (placements go out at once, as the flusher sends them)
                     await states[k].flush()

@@ -278,9 +278,9 @@ class AffinityConfig(Strict):
         "computed); 0 turns this off"
     )
     placement_hold_s: float = Field(
-        0.1, ge=0, description="with Redis: a new tenant's first request at several proxies at once is placed by the proxy "
-        "ranked first for it (rendezvous hashing of the proxies that route), and the k-th holds its request for that "
-        "placement up to k times the change stream's measured delivery time, at most this long per rank; 0 never holds"
+        0.1, ge=0, description="with Redis and other proxies sharing it: a new tenant's first request at this proxy waits "
+        "for the shared table's answer to its placement (one round trip; the first proxy to place it wins) and goes "
+        "where the tenant was placed, at most this long; 0 never waits"
     )
     join_share: float = Field(
         0.5, ge=0, le=1, description="a replica that joins while the others hold more tenants' prompts than their caches "

@@ -43,7 +43,7 @@ import logging
 import math
 import os
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 import orjson
@@ -82,7 +82,7 @@ RemoteWindow = tuple[int, dict[str, int], int, dict[str, int]]
 # their counts, recent overflows (pin, replica, wall time), and decisions and picks since it began
 LocalWindow = tuple[tuple[str, ...], int, list[int], list[tuple[int, str, float]], int, list[int]]
 PINS_KEY = "vp:pins"  # field: pin key (hex) -> "replica,replica,...|unix time of the last write"
-LOG_KEY = "vp:log"  # stream of changes: p = proxy id, i = index entries, t = placements changed
+LOG_KEY = "vp:log"  # stream of changes: p = proxy id, i = index entries, t = placements changed, r = recent counts
 _LOG_MAXLEN = 10000  # entries kept (at most one per proxy and flush, up to 50 a second): the recent past, bounded
 _WARM_PER_ENTRY = 256  # "being computed" items applied per stream entry (a hostile entry stalls nothing)
 _READ_COUNT = 500  # stream entries per read
@@ -91,8 +91,6 @@ _MIRROR_BLOCKS = 262144  # prefix entries mirrored (an LRU): enough for every re
 _EXPIRE_EVERY_S = 10.0  # how often expired placements are dropped
 _ALONE_AFTER_S = 2.0  # no other proxy seen for this long: this one is alone...
 _ALONE_ROUNDS = 5.0  # ... and syncs and flushes this many busy intervals apart
-_DELIVERY_SAMPLES = 32  # the last placements' delivery times the estimate weighs (`delivery_s`)
-_DELIVERY_TRACKED = 1024  # placements awaited on the stream at once (a lost race never comes back)
 
 # One batch of changes, atomically, then one stream entry naming what changed. ARGV: proxy id,
 # stamp, stream max length, index entries (JSON or ''), prompts being computed (JSON or '',
@@ -106,10 +104,11 @@ _DELIVERY_TRACKED = 1024  # placements awaited on the stream at once (a lost rac
 #                    elsewhere copied its prompt to a second cache and stranded the
 #                    conversations it started there (the balance guard and the packing repair
 #                    even out what proxies placing at once put on one replica).
-# Returns {last stream id, pin, value in force, ...} for the P and G operations.
+# Returns {last stream id, pin, value in force, '1' if this call wrote it else '', ...} for the P
+# and G operations.
 _FLUSH = """
 local changed, n, out = {}, 0, {}
-local i = 6
+local i = 7
 while i <= #ARGV do
   local op, pin, argc = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   local a = i + 3
@@ -133,13 +132,14 @@ while i <= #ARGV do
   if op == 'P' or op == 'G' then
     out[#out + 1] = pin
     out[#out + 1] = value or ''
+    out[#out + 1] = (value and value ~= cur) and '1' or ''
   end
   i = a + argc
 end
 local id
 if n > 0 or ARGV[4] ~= '' or ARGV[5] ~= '' then
   id = redis.call('xadd', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'p', ARGV[1], 'i', ARGV[4],
-                  't', n > 0 and cjson.encode(changed) or '', 'w', ARGV[5])
+                  't', n > 0 and cjson.encode(changed) or '', 'w', ARGV[5], 'r', ARGV[6])
 else
   local last = redis.call('xrevrange', KEYS[2], '+', '-', 'COUNT', 1)
   id = last[1] and last[1][1] or '0-0'
@@ -235,9 +235,13 @@ class SharedState:
         self.remote_rate_at = 0.0
         self.rate_tau = 30.0
         self.local_rates: Callable[[float], dict[str, float]] | None = None  # set by the policy
-        # the others' routed counts over a quarter load window (where their traffic goes now, read
-        # with their busy tenants: `_hot`), decayed to `remote_rate_at`, and this proxy's (set by the policy)
+        # the others' routed counts over a quarter load window (where their traffic goes now), summed
+        # and decayed to `remote_recent_at` (unix time); each proxy's as last heard, on the change
+        # stream or with its busy tenants (`_hot`): proxy -> (its time, counts); this proxy's (set by
+        # the policy)
         self.remote_recent: dict[str, float] = {}
+        self.remote_recent_at = 0.0
+        self._recents: dict[str, tuple[float, dict[str, float]]] = {}
         self.local_recent: Callable[[], dict[str, float]] | None = None
         # (tenant -> decayed requests routed here, all requests) at a time; set by the policy
         self.local_tenants: Callable[[float], tuple[dict[int, float], float] | None] | None = None
@@ -282,15 +286,12 @@ class SharedState:
         self._last_sent = (0, 0)  # id of the stream's last entry when this proxy's last flush ran
         self._reading = asyncio.Event()  # set while the cursor is valid (after a resync)
         self.adopted = 0  # placements changed by another proxy's entry or a lost race
-        # the other proxies that routed within _GUARD_FRESH_S (their busy tenants' entries say so), and
-        # a tenant's placement in the mirror now (proxy/routing/affinity/arrivals.py)
-        self.peer_ids: tuple[str, ...] = ()
-        self.on_placed: Callable[[int], None] | None = None
-        # how long a placement of this proxy's takes to come back on the change stream (monotonic
-        # time of the write, per tenant, until it does): the 90th percentile of the last ones
-        self._placed_at: dict[int, float] = {}
-        self._delivered: deque[float] = deque(maxlen=_DELIVERY_SAMPLES)
-        self.delivery_s = 0.005
+        # tenants placed here whose requests wait for the shared table's answer (a future of the
+        # members in force: proxy/routing/affinity/arrivals.py)
+        self.claims: dict[int, asyncio.Future] = {}
+        # answers that another proxy placed the tenant first, held until the reader reaches them:
+        # (stream id of the answer, pin, (members in force, False))
+        self._answered: list[tuple[tuple[int, int], int, tuple[tuple[str, ...], bool]]] = []
         self._tasks = Supervisor("shared")  # a child of the Runtime's, from start()
         # the loops also end on this flag: on Python < 3.12 wait_for can swallow a cancellation
         self._closing = False
@@ -312,12 +313,31 @@ class SharedState:
         members = (replica,)
         self.pins[pin] = (members, time.time())
         self._queue(pin, ("P", replica))
-        if len(self._placed_at) >= _DELIVERY_TRACKED:  # (a lost race never comes back)
-            self._placed_at.clear()
-        self._placed_at[pin] = time.monotonic()
-        if self.on_placed is not None:
-            self.on_placed(pin)
         return members
+
+    def claim(self, pin: int) -> asyncio.Future | None:
+        """The placement of `pin` queued here, as the shared table will answer it: a future of
+        (the members in force, whether this proxy's placement made them), or None if Redis could
+        not say. None when no placement of `pin` is queued."""
+        future = self.claims.get(pin)
+        if future is None:
+            op = self._ops.get(pin)
+            if op is None or op[0] != "P":
+                return None
+            future = self.claims[pin] = asyncio.get_running_loop().create_future()
+        return future
+
+    def _unclaim(self) -> None:
+        """No answer will come: whoever waits for one goes now."""
+        self._release_answered(all_=True)
+        claims, self.claims = self.claims, {}
+        for future in claims.values():
+            if not future.done():
+                future.set_result(None)
+
+    def alone(self) -> bool:
+        """No other proxy's entry seen of late (in the load table or the change stream)."""
+        return time.monotonic() - self.peers_at > _ALONE_AFTER_S
 
     def grow(self, pin: int, old: Sequence[str], members: Sequence[str]) -> tuple[str, ...] | None:
         """Change a tenant's set from `old` to `members` at once; in the background a
@@ -362,7 +382,7 @@ class SharedState:
 
     def interval(self) -> float:
         """The busy period of the sync and the flusher: longer while no other proxy is seen."""
-        return self.alone_interval if time.monotonic() - self.peers_at > _ALONE_AFTER_S else self.busy_interval
+        return self.alone_interval if self.alone() else self.busy_interval
 
     # -- background calls (never on the request path) -------------------------------------------
     async def lease(self, name: str, seconds: float) -> bool:
@@ -459,6 +479,7 @@ class SharedState:
 
     async def close(self) -> None:
         """Close every connection (stop does; so do tests that never started the loops)."""
+        self._unclaim()
         for client in (self.client, self._flush_client, self._reader_client):
             try:
                 await client.aclose()
@@ -558,24 +579,67 @@ class SharedState:
             index = orjson.dumps(by_backend).decode()
         warming = orjson.dumps(warm).decode() if warm else ""
         items = list(ops.items())
+        recent = ""
+        if self.local_recent is not None and (items or index or warming):
+            recent = orjson.dumps((round(time.time(), 3), {b: round(v, 2) for b, v in self.local_recent().items()
+                                                           if b is not None})).decode()
         for start in range(0, max(len(items), 1), _OPS_BATCH):
             batch = items[start:start + _OPS_BATCH]
             if batch or index or warming:
-                await self._send(batch, index, warming)
-            index = warming = ""
+                await self._send(batch, index, warming, recent)
+            index = warming = recent = ""
 
-    async def _send(self, ops: list[tuple[int, tuple[str, ...]]], index: str, warming: str = "") -> None:
-        args: list[str] = [self.proxy_id, f"{time.time():.0f}", str(_LOG_MAXLEN), index, warming]
+    async def _send(self, ops: list[tuple[int, tuple[str, ...]]], index: str, warming: str = "",
+                    recent: str = "") -> None:
+        """One batch as one stream entry (with the sender's recent routed counts when given: the
+        others' placement sees where this proxy's traffic goes within a stream read, not a load sync)."""
+        args: list[str] = [self.proxy_id, f"{time.time():.0f}", str(_LOG_MAXLEN), index, warming, recent]
         for pin, (op, *rest) in ops:
             args += [op, f"{pin:016x}", str(len(rest)), *rest]
         answer = await asyncio.wait_for(self._flush_client.eval(_FLUSH, 2, PINS_KEY, LOG_KEY, *args), self.io_timeout)
         sent = stream_id(answer[0])
         self._last_sent = max(self._last_sent, sent)
+        if self.claims:
+            self._answer(ops, answer, sent)
         # the reader applies everything up to its cursor in order; apply what is newer here, at
         # once (a lost placement race is corrected within one round trip)
         if sent > self._cursor_key:
-            for k in range(1, len(answer) - 1, 2):
+            for k in range(1, len(answer) - 2, 3):
                 self._adopt(int(answer[k], 16), answer[k + 1])
+
+    def _answer(self, ops: list[tuple[int, tuple[str, ...]]], answer: list, sent: tuple[int, int]) -> None:
+        """Answer the claimed tenants among `ops` (members in force, whether this proxy's placement
+        made them): at once where it did; where another proxy's had, once the reader has applied the
+        stream up to `sent` (the winner's entry, with its "being computed", is before it: the request
+        then follows the winner's leader instead of computing the prompt beside it, on another
+        replica or on the same one). A claimed tenant whose placement a later write replaced before
+        it went out is answered None."""
+        claims = self.claims
+        answered = {int(answer[k], 16): (answer[k + 1], answer[k + 2] == "1") for k in range(1, len(answer) - 2, 3)}
+        for pin, _ in ops:
+            future = claims.get(pin)
+            if future is None:
+                continue
+            value, wrote = answered.get(pin, ("", False))
+            result = (parse_pin(value)[0], wrote) if value else None
+            if result is None or wrote or sent <= self._cursor_key:
+                del claims[pin]
+                if not future.done():
+                    future.set_result(result)
+            else:  # (still claimed: the tenant's next requests here wait for the same answer)
+                self._answered.append((sent, pin, result))
+
+    def _release_answered(self, all_: bool = False) -> None:
+        """Answers held for the reader (`_answer`) whose entry it has applied (all: every one)."""
+        keep = []
+        for sent, pin, result in self._answered:
+            if all_ or sent <= self._cursor_key:
+                future = self.claims.pop(pin, None)
+                if future is not None and not future.done():
+                    future.set_result(result)
+            else:
+                keep.append((sent, pin, result))
+        self._answered = keep
 
     async def _reader(self) -> None:
         """Follow the change stream: the other proxies' index entries and every placement change."""
@@ -612,6 +676,8 @@ class SharedState:
                     self.peers_at = time.monotonic()
                 self._apply(fields)
                 self._set_cursor(entry_id)
+        if self._answered:
+            self._release_answered()
 
     def _apply(self, fields: dict[str, str]) -> None:
         """One stream entry: index entries of another proxy, and placements now in force."""
@@ -629,12 +695,12 @@ class SharedState:
                 while len(owner) > self.mirror_blocks:
                     owner.popitem(last=False)
             if fields.get("t"):
-                mine = fields.get("p") == self.proxy_id
                 for pin, value in orjson.loads(fields["t"]).items():
-                    key = int(pin, 16)
-                    if mine and self._placed_at:
-                        self._delivered_now(key)
-                    self._adopt(key, value)
+                    self._adopt(int(pin, 16), value)
+            if fields.get("r") and fields.get("p") != self.proxy_id:
+                at, counts = orjson.loads(fields["r"])
+                self._heard_recent(fields["p"], float(at), counts)
+                self._sum_recents(time.time())
             if fields.get("w") and fields.get("p") != self.proxy_id and self.on_warming is not None:
                 now = time.time()
                 for pin, replica, computing, at in orjson.loads(fields["w"])[:_WARM_PER_ENTRY]:
@@ -661,18 +727,6 @@ class SharedState:
                 self.adopted += 1
             self.pins_changed += 1
         self.pins[pin] = parsed
-        if mine is None and self.on_placed is not None:
-            self.on_placed(pin)
-
-    def _delivered_now(self, pin: int) -> None:
-        """This proxy's placement of `pin` came back on the stream: one more delivery time."""
-        at = self._placed_at.pop(pin, None)
-        if at is None:
-            return
-        delivered = self._delivered
-        delivered.append(time.monotonic() - at)
-        ordered = sorted(delivered)
-        self.delivery_s = ordered[int(0.9 * (len(ordered) - 1))]
 
     def has_read(self, other: "SharedState") -> bool:
         """Whether this mirror has applied everything `other` has sent so far (tests settle on it)."""
@@ -732,9 +786,7 @@ class SharedState:
         (its entry, once older still, dropped). On the way, their recent routed counts per replica
         (`remote_recent`, published beside them: a proxy of an older release publishes none)."""
         out: list[HotTenants] = []
-        recents: dict[str, float] = {}
         stale = []
-        peers: set[str] = set()
         fresh = max(_GUARD_FRESH_S, self.rate_tau)
         for proxy, value in table.items():
             if proxy == self.proxy_id:
@@ -753,18 +805,36 @@ class SharedState:
                 out.append((max(age, 0.0), hot))
                 recent = entry.get("recent")
                 if isinstance(recent, dict):
-                    decay = math.exp(-4.0 * max(age, 0.0) / self.rate_tau)  # (a quarter load window)
-                    for name, count in recent.items():
-                        if isinstance(count, (int, float)):
-                            recents[name] = recents.get(name, 0.0) + count * decay
-                if age <= _GUARD_FRESH_S:  # (published only by a proxy that routed since its last sync)
-                    peers.add(proxy)
-        self.remote_recent = recents
+                    self._heard_recent(proxy, float(entry["at"]), recent)
+        for proxy in stale:
+            self._recents.pop(proxy, None)
+        self._sum_recents(now)
         if stale:
             self._tasks.spawn(self._drop(stale, HOT_KEY), "drop stale busy tenants")
-        if peers != set(self.peer_ids):
-            self.peer_ids = tuple(sorted(peers))
         return out
+
+    def _heard_recent(self, proxy: str, at: float, counts: dict) -> None:
+        """Another proxy's recent routed counts per replica as of `at` (its clock), unless newer
+        ones were heard."""
+        heard = self._recents.get(proxy)
+        if heard is None or heard[0] < at:
+            self._recents[proxy] = (at, {name: float(count) for name, count in counts.items()
+                                         if isinstance(count, (int, float))})
+
+    def _sum_recents(self, now: float) -> None:
+        """`remote_recent`: the others' recent counts as last heard, each aged to `now` at the
+        observed rate (a quarter load window); one not heard from within the freshness bound left out."""
+        fresh = max(_GUARD_FRESH_S, self.rate_tau)
+        total: dict[str, float] = {}
+        for proxy, (at, counts) in list(self._recents.items()):
+            age = now - at
+            if age > fresh or age < -fresh:
+                del self._recents[proxy]
+                continue
+            decay = math.exp(-4.0 * max(age, 0.0) / self.rate_tau)
+            for name, count in counts.items():
+                total[name] = total.get(name, 0.0) + count * decay
+        self.remote_recent, self.remote_recent_at = total, now
 
     def _other_windows(self, table: dict[str, str], now: float) -> dict[tuple[str, tuple[str, ...]], RemoteWindow]:
         """The other proxies' fresh balance windows, summed per (route, replicas) (`RemoteWindow`):
@@ -906,9 +976,11 @@ class SharedState:
             self.remote_load = {}
             self.remote_rate = {}
             self.remote_recent = {}
+            self._recents = {}
             self.remote_guard = {}
             self._pending = {}
             self._ops = {}
+            self._unclaim()
             self._warm = []
             if self.on_warming is not None:  # the others' releases will not arrive: nobody waits for them
                 self.on_warming(None, "", False, 0.0)

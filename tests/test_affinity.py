@@ -862,7 +862,7 @@ def test_the_clock_counts_every_proxys_requests() -> None:
         remote_recent: dict = {}
         remote_guard: dict = {}
         routed = 0
-        remote_rate_at = 0.0
+        remote_rate_at = remote_recent_at = 0.0
         mirrored = False  # (the policy then reads its own index)
 
         def remember(self, hashes, backend):
@@ -895,8 +895,8 @@ def test_where_traffic_goes_now_is_every_proxys() -> None:
     from proxy.routing.affinity.load import LoadView
     from proxy.routing.affinity.ranking import ranked
 
-    shared = SimpleNamespace(remote_load={}, remote_rate={}, remote_recent={}, remote_rate_at=0.0, rate_tau=1.0,
-                             local_rates=None, local_recent=None)
+    shared = SimpleNamespace(remote_load={}, remote_rate={}, remote_recent={}, remote_rate_at=0.0,
+                             remote_recent_at=0.0, rate_tau=1.0, local_rates=None, local_recent=None)
     wall = 1000.0  # (a fixed wall clock: the others' counts are aged by wall time at the measured rate)
     view = LoadView(AffinityConfig(), shared, lambda: wall)  # type: ignore[arg-type]
     bs = backends(4)
@@ -914,7 +914,7 @@ def test_where_traffic_goes_now_is_every_proxys() -> None:
 
     target = firsts().most_common(1)[0][0]  # where this proxy's own counts would place newcomers
     at = next(i for i, b in enumerate(bs) if b.name == target)
-    shared.remote_recent, shared.remote_rate_at = {target: 3 * mine[target]}, wall
+    shared.remote_recent, shared.remote_recent_at = {target: 3 * mine[target]}, wall
     loads = view.recent_loads(bs)
     assert loads[at] > 3 * min(loads)
     assert firsts()[target] == 0

@@ -1,143 +1,162 @@
-"""A new tenant seen at several proxies at once (proxy/routing/affinity/arrivals.py): the proxy
-ranked first for it places it, the others hold its request for that placement."""
+"""A new tenant's first request waits for the shared table's answer to its placement
+(proxy/routing/affinity/arrivals.py): proxies placing one tenant at once send its requests to one
+replica, whatever the change stream's delay."""
 from __future__ import annotations
 
-import concurrent.futures
-import threading
+import asyncio
+import time
 from types import SimpleNamespace
 
-import openai
+import orjson
 
+from proxy.config import AffinityConfig
+from proxy.parse import CHAT, parse_request
 from proxy.prefix import prefix_key
+from proxy.routing.affinity import PrefixAffinity
 from proxy.routing.affinity.arrivals import Arrivals
-from proxy.routing.affinity.ranking import rendezvous_weight
-from proxy.routing.backends import rendezvous_salt
-from tests.conftest import MODEL, Servers, eventually
+from proxy.routing.catalog import Route
+from proxy.shared import SharedState
+from tests.conftest import MODEL
+from tests.test_shared import fleet, run_now, tenant
 
 
-def client(proxy) -> openai.OpenAI:
-    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0, timeout=60)
+def streamed(system: str, question: str = "hi"):
+    body = {"model": MODEL, "stream": True,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    return parse_request(CHAT, orjson.dumps(body))
 
 
-def ask(proxy, system: str, question: str = "hi") -> str:
-    """The replica that served one chat request (the proxy's header)."""
-    raw = client(proxy).chat.completions.with_raw_response.create(
-        model=MODEL, max_tokens=2, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
-    return raw.headers["x-vllm-proxy-backend"]
+async def two_proxies(redis_url: str, **knobs) -> tuple[list[SharedState], list[PrefixAffinity]]:
+    """Two proxies' shared state and policies, no background loops: the test flushes and reads
+    the change stream itself. Each has read one entry of the other's (neither is alone)."""
+    states = [SharedState(redis_url, local_load=dict) for _ in range(2)]
+    for k, state in enumerate(states):
+        await state._join()
+        state.remember([1000 + k], "gpu-0")
+        await state.flush()
+    for state in states:
+        await state.catch_up()
+        assert not state.alone()
+    config = AffinityConfig(block_chars=64, coalesce_wait_s=30.0, **knobs)
+    return states, [PrefixAffinity(config, state) for state in states]
 
 
-def first_for(policy, first: str, second: str, tag: str) -> str:
-    """A system prompt whose tenant ranks proxy `first` above `second`."""
-    for i in range(1000):
-        system = f"You are the assistant of tenant {tag}-{i}. " * 40
-        data = {"model": MODEL, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
-        pin = prefix_key(True, data, MODEL, policy._block_chars, policy._max_blocks)[0]
-        if rendezvous_weight(pin, rendezvous_salt(first)) > rendezvous_weight(pin, rendezvous_salt(second)):
-            return system
-    raise AssertionError("no such prompt")
+def test_a_new_tenant_at_two_proxies_at_once_goes_where_the_first_placed_it(redis_url: str) -> None:
+    """Proxy a places a new tenant, then proxy b, before either has read the other's placement,
+    each on the replica its own view prefers. Each request waits for the answer to its own
+    placement; a's came first, so b's request goes where a placed the tenant, as a follower of a's
+    request computing its prompt there (a's "being computed" is in the stream before b's answer).
+    With `placement_hold_s: 0` b's request goes to its own choice: the race this closes."""
+    async def scenario(hold: float, system: str) -> tuple[str, str, bool, int]:
+        (sa, sb), (a, b) = await two_proxies(redis_url, placement_hold_s=hold)
+        fa, fb = fleet(), fleet()
+        ra, rb = (Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(f)) for f in (fa, fb))
+        pin = prefix_key(True, streamed(system).data, MODEL, 64, 64).pin
+        try:
+            at_a = asyncio.ensure_future(a.pick(fa, streamed(system, "from a"), ra))
+            await asyncio.sleep(0)
+            choice_a = sa.pins[pin][0][0]  # placed at a (not yet answered)
+            for _ in range(20):  # b's view: its own traffic went there of late
+                b.view.count(choice_a, b.clock)
+            request_b = streamed(system, "from b")
+            at_b = asyncio.ensure_future(b.pick(fb, request_b, rb))
+            await asyncio.sleep(0)
+            assert sb.pins[pin][0][0] != choice_a  # b placed it elsewhere: a real race
+            assert at_a.done() == at_b.done() == (hold == 0)  # each waits for its answer (or not)
+            await sa.flush()  # a's placement reaches the table first
+            await sb.flush()
+            await sb.catch_up()  # (b's answer waits for its reader to reach it)
+            (backend_a, _), (backend_b, _) = await at_a, await at_b
+            return backend_a.name, backend_b.name, request_b.wait_for is not None, b.arrivals.lost
+        finally:
+            for state in (sa, sb):
+                await state.close()
+
+    chosen_a, chosen_b, follows, lost = asyncio.run(scenario(0.1, tenant(7)))
+    assert chosen_b == chosen_a and follows and lost == 1
+    chosen_a, chosen_b, follows, lost = asyncio.run(scenario(0.0, tenant(8)))  # (a tenant the table has not seen)
+    assert chosen_b != chosen_a and lost == 0
 
 
-def test_a_new_tenant_at_two_proxies_at_once_is_placed_by_the_first_ranked(servers: Servers, redis_url: str) -> None:
-    sims = [servers.sim(), servers.sim()]
-    routing = {"policy": "prefix_affinity"}
-    a = servers.proxy_for(*sims, routing=routing, redis={"url": redis_url})
-    b = servers.proxy_for(*sims, routing=routing, redis={"url": redis_url})
-    ra, rb = a.server.config.app.runtime, b.server.config.app.runtime
-    assert eventually(lambda: ra.shared.up and rb.shared.up, timeout=30)
-    # both route some other tenant's traffic all along, so each counts the other as routing now
-    stop = threading.Event()
+def test_two_proxies_placing_a_new_tenant_on_one_replica_at_once_compute_its_prompt_once(redis_url: str) -> None:
+    """Both proxies place a new tenant on the same replica before either has read the other's
+    placement (their views agree), and each request would lead the computing of its prompt there.
+    The second placement's answer says another proxy's came first: b's request stops leading and
+    follows a's, so the prompt is computed once."""
+    async def scenario() -> None:
+        (sa, sb), (a, b) = await two_proxies(redis_url)
+        fa, fb = fleet(), fleet()
+        ra, rb = (Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(f)) for f in (fa, fb))
+        system = tenant(9)
+        pin = prefix_key(True, streamed(system).data, MODEL, 64, 64).pin
+        try:
+            request_a, request_b = streamed(system, "from a"), streamed(system, "from b")
+            at_a = asyncio.ensure_future(a.pick(fa, request_a, ra))
+            at_b = asyncio.ensure_future(b.pick(fb, request_b, rb))
+            await asyncio.sleep(0)
+            assert sa.pins[pin] and sb.pins[pin][0] == sa.pins[pin][0]  # the same choice, each its own
+            assert request_a.warmed is not None and request_b.warmed is not None  # each would lead
+            await sa.flush()
+            await sb.flush()
+            await sb.catch_up()
+            (backend_a, _), (backend_b, _) = await at_a, await at_b
+            assert backend_a.name == backend_b.name
+            assert request_a.warmed is not None and request_a.wait_for is None  # a leads
+            assert request_b.warmed is None and request_b.wait_for is not None  # b follows
+            assert b.arrivals.lost == 1 and a.arrivals.lost == 0
+        finally:
+            for state in (sa, sb):
+                await state.close()
 
-    def background() -> None:
-        k = 0
-        while not stop.is_set():
-            ask((a, b)[k % 2], "You are the background tenant. " * 40, f"q{k}")
-            k += 1
-
-    worker = threading.Thread(target=background, daemon=True)
-    worker.start()
-    try:
-        assert eventually(lambda: rb.shared.peer_ids == (ra.shared.proxy_id,), timeout=30)
-        assert eventually(lambda: ra.shared.peer_ids == (rb.shared.proxy_id,), timeout=30)
-        policy_b = rb.profile.policy
-        system = first_for(policy_b, ra.shared.proxy_id, rb.shared.proxy_id, "ab")
-        # b ranks second: it holds the tenant's request until a placement arrives (as long as the
-        # test needs: the placement, not the clock, ends the hold here)
-        policy_b.arrivals.most_s = 600.0
-        rb.shared.delivery_s = 600.0
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            at_b = pool.submit(ask, b, system)
-            assert eventually(lambda: policy_b.arrivals.waiting == 1, timeout=30)
-            assert not at_b.done()
-            at_a = pool.submit(ask, a, system)  # a ranks first: it places the tenant at once
-            assert at_b.result() == at_a.result()  # b's request went where a placed it
-        assert policy_b.arrivals.waiting == 0
-    finally:
-        stop.set()
-        worker.join(timeout=60)
+    asyncio.run(scenario())
 
 
-def test_holds_stop_while_newcomers_do_not_come_back() -> None:
+def test_nothing_waits_for_a_proxy_alone_or_after_redis_went_away(redis_url: str) -> None:
+    """A proxy that shares Redis with no other routes a new tenant's request at once; a request
+    waiting for its answer goes to its own choice as soon as Redis is found down."""
+    async def scenario() -> None:
+        state = SharedState(redis_url, local_load=dict)
+        await state._join()
+        policy = PrefixAffinity(AffinityConfig(block_chars=64), state)
+        bs = fleet()
+        route = Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(bs))
+        try:
+            assert state.alone()
+            run_now(policy.pick(bs, streamed(tenant(1)), route))  # (returns without suspending)
+            state.peers_at = time.monotonic()  # (as when another proxy's entry was read)
+            waiting = asyncio.ensure_future(policy.pick(bs, streamed(tenant(2)), route))
+            await asyncio.sleep(0)
+            assert not waiting.done() and policy.arrivals.waiting == 1
+            state._down(ConnectionError("gone"))
+            backend, _ = await waiting
+            assert backend.name == state.pins[prefix_key(True, streamed(tenant(2)).data, MODEL, 64, 64).pin][0][0]
+            assert policy.arrivals.waiting == 0
+        finally:
+            await state.close()
+
+    asyncio.run(scenario())
+
+
+def test_waits_stop_while_newcomers_do_not_come_back() -> None:
     """Unique prompts (a tenant seen once) are never raced for: once most recent newcomers got no
-    second request, nothing is held; holds resume when newcomers come back again. The first-ranked
-    proxy never holds; the k-th holds k delivery times."""
-    shared = SimpleNamespace(proxy_id="this", peer_ids=("other",), delivery_s=0.01, on_placed=None)
+    second request, nothing waits; waits resume when newcomers come back again."""
+    shared = SimpleNamespace(alone=lambda: False)
     tenants = SimpleNamespace(seen={})
     arrivals = Arrivals(shared, tenants, 0.1)  # type: ignore[arg-type]
-    ranked_second = [p for p in range(1, 4000) if rendezvous_weight(p, rendezvous_salt("other")) > rendezvous_weight(p, rendezvous_salt("this"))]
-    ranked_first = [p for p in range(1, 4000) if rendezvous_weight(p, rendezvous_salt("other")) < rendezvous_weight(p, rendezvous_salt("this"))]
-    assert arrivals.hold_s(ranked_first[0], 0.0) == 0.0
     clock = 1000.0
-    assert arrivals.hold_s(ranked_second[0], clock) == 0.01
-    pins = iter(ranked_second[1:])
-    # newcomers seen once each, far apart (each judged once the next comes)
-    held = []
-    for _ in range(40):
-        pin = next(pins)
+    waits = []
+    for pin in range(1, 41):  # newcomers seen once each, far apart (each judged once the next comes)
         tenants.seen[pin] = SimpleNamespace(first=clock, last=clock)
-        held.append(arrivals.hold_s(pin, clock))
+        waits.append(arrivals.wait_s(pin, clock))
         clock += 1000.0
-    assert held[0] > 0.0 and held[-1] == 0.0
-    # newcomers that come back: holds resume
-    for _ in range(40):
-        pin = next(pins)
+    assert waits[0] == 0.1 and waits[-1] == 0.0
+    for pin in range(41, 81):  # newcomers that come back
         tenants.seen[pin] = SimpleNamespace(first=clock, last=clock + 1.0)
-        last = arrivals.hold_s(pin, clock)
+        last = arrivals.wait_s(pin, clock)
         clock += 1000.0
-    assert last == 0.01
+    assert last == 0.1
     arrivals.most_s = 0.0  # placement_hold_s: 0
-    assert arrivals.hold_s(next(pins), clock) == 0.0
+    assert arrivals.wait_s(81, clock) == 0.0
     arrivals.most_s = 0.1
-    shared.peer_ids = ()  # no other proxy routing: nothing to wait for
-    assert arrivals.hold_s(next(pins), clock) == 0.0
-
-
-def test_holds_stop_while_no_placement_ends_them() -> None:
-    """Where each tenant's requests reach one proxy only, no other proxy's placement ever ends a
-    hold: once most of the last holds ran out, only every 16th newcomer is held (to see whether that
-    changed); when placements end holds again, every newcomer is held again."""
-    import asyncio
-
-    shared = SimpleNamespace(proxy_id="this", peer_ids=("other",), delivery_s=0.01, on_placed=None)
-    tenants = SimpleNamespace(seen={})
-    arrivals = Arrivals(shared, tenants, 0.1)  # type: ignore[arg-type]
-    pins = iter(p for p in range(1, 100000)
-                if rendezvous_weight(p, rendezvous_salt("other")) > rendezvous_weight(p, rendezvous_salt("this")))
-
-    async def newcomers(count: int, placed: bool) -> list[float]:
-        held = []
-        for _ in range(count):
-            pin = next(pins)
-            tenants.seen[pin] = SimpleNamespace(first=0.0, last=1.0)  # (they come back)
-            wait = arrivals.hold_s(pin, 0.0)
-            held.append(wait)
-            if wait:
-                if placed:  # another proxy's placement arrives while this one holds
-                    asyncio.get_running_loop().call_soon(arrivals.placed, pin)
-                await arrivals.wait(pin, 60.0 if placed else 0.0)
-        return held
-
-    unpaid = asyncio.run(newcomers(56, placed=False))
-    assert all(unpaid[:8])
-    assert [k for k, wait in enumerate(unpaid) if wait][8:] == [23, 39, 55]  # probes only
-    paid = asyncio.run(newcomers(80, placed=True))
-    assert all(paid[-16:])
+    shared.alone = lambda: True  # no other proxy: nobody to race with
+    assert arrivals.wait_s(82, clock) == 0.0

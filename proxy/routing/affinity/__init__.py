@@ -35,9 +35,9 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    counts, so each counts its own placements of the last 50 ms for the others' of the same moment
    too (`TenantTable.herd`); what they still stack on one replica is the balance guard's and the
    packing repair's to even out. A new tenant's first requests at several proxies at once do not
-   race: the proxies rank themselves per tenant by rendezvous hashing, the first places it, and
-   the others hold its request up to a stream delivery time per rank for that placement
-   (arrivals.py). When Redis is down, known
+   race: each waits for the shared table's answer to its proxy's placement (one Redis round
+   trip, at most `placement_hold_s`) and goes where the first writer placed it (arrivals.py).
+   When Redis is down, known
    tenants keep their mirrored sets and unknown ones fall back to rendezvous order (stateless
    agreement); without Redis at all, this process's table is the authority.
 5. Placement is online bin packing with two limits, traffic (the bound) and cache room (the
@@ -97,8 +97,8 @@ whose prompts stay cached.
 Modules, one job each: `store` (the tenant table's storage: local, or the Redis mirror of
 proxy/shared.py), `table` (the table and what is remembered per tenant), `counts` (decayed counts
 on the request clock), `load` (the request clock and the per-replica load estimate), `tenants`
-(each tenant's share and idleness), `ranking` (where a new tenant goes), `arrivals` (which proxy
-places a new tenant several see at once), `placement` (the
+(each tenant's share and idleness), `ranking` (where a new tenant goes), `arrivals` (a new tenant's
+first request waits for its placement's answer), `placement` (the
 decision for one request), `repair` (the packing repair, in the background) and `policy` (the
 `PrefixAffinity` object that wires them). The prefix keys are proxy/prefix.py, the prefix index
 proxy/routing/index.py, the packing planner proxy/routing/packing.py.

@@ -36,6 +36,9 @@ class Coalescer:
         self.publish = publish  # (pin, replica, computing) to the other proxies: a leader began / ended
         self._mine: set[tuple[int, str]] = set()  # the leaders of this proxy
         self._remote: set[tuple[int, str]] = set()  # the other proxies' leaders followed here
+        # another proxy's leader on a key this proxy leads too (both placed the tenant at once): when
+        # it began (`yield_lead`)
+        self._shadowed: dict[tuple[int, str], float] = {}
         # (tenant pin, replica) -> (released when the leader's first token is relayed, when it began)
         self.warming: dict[tuple[int, str], tuple[asyncio.Future, float]] = {}
         self.waiting = 0  # requests waiting for a leader now
@@ -72,6 +75,7 @@ class Coalescer:
             return
         key = (pin, replica)
         if not computing:
+            self._shadowed.pop(key, None)
             if key in self._remote:
                 self._release(key)
             return
@@ -80,6 +84,25 @@ class Coalescer:
             self._release(key)
             self._track(key, age)
             self._remote.add(key)
+        elif key in self._mine:
+            if len(self._shadowed) >= _MAX:
+                self._shadowed.clear()
+            self._shadowed[key] = asyncio.get_running_loop().time() - age
+
+    def yield_lead(self, pin: int, replica: str, request: ParsedRequest) -> tuple | None:
+        """Another proxy placed `request`'s tenant first (arrivals.py) and it goes to `replica`:
+        it stops leading where it was decided and follows the leader computing the prompt on
+        `replica` (another proxy's, also when both led there: theirs came first), else leads there."""
+        if request.warmed is not None:
+            request.warmed()
+            request.warmed = None
+        request.wait_for = None
+        key = (pin, replica)
+        began = self._shadowed.pop(key, None)
+        if began is not None and key not in self.warming:
+            self.warming[key] = (asyncio.get_running_loop().create_future(), began)
+            self._remote.add(key)
+        return self.check(pin, replica, False, request)
 
     async def follow(self, leader: tuple) -> None:
         """Wait for `leader` (from `check`) to relay its first token, at most `wait_s` from its start."""

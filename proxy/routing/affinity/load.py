@@ -177,7 +177,7 @@ class LoadView:
         shared = self.shared
         if shared is not None and shared.remote_recent:
             remote = shared.remote_recent
-            age = self._wall() - shared.remote_rate_at
+            age = self._wall() - shared.remote_recent_at
             age = 0.0 if 0.0 > age else age
             decay = math.exp(-4.0 * age * self.rate / self.config.load_window_requests)
             for b in candidates:

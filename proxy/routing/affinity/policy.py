@@ -85,8 +85,8 @@ class PrefixAffinity:
         self._due_now = 0.0
         self._due_returning = False
         self._due_chain: tuple[int, ...] = ()
-        # a new tenant's first request held for another proxy's placement (`pick`): its pin and
-        # how long; `_placing` set while the held request decides
+        # a new tenant's first request waits for the shared table's answer to its placement
+        # (`pick`): its pin and how long at most; `_placing` set while that request decides
         self.arrivals = Arrivals(shared, self.tenants, config.placement_hold_s) if shared is not None else None
         self._hold_pin = 0
         self._hold_s = 0.0
@@ -135,19 +135,52 @@ class PrefixAffinity:
     # -- the decision --------------------------------------------------------------------------------
     async def pick(self, candidates: Sequence[Backend], request: ParsedRequest, route: Route) -> tuple[Backend, str]:
         backend, reason = self.pick_now(candidates, request, route)
-        if backend is None:  # a new tenant another proxy may be placing: wait for its placement
-            arrivals = self.arrivals
-            assert arrivals is not None
-            await arrivals.wait(self._hold_pin, self._hold_s)
-            self._placing = True
-            try:
-                backend, reason = self.pick_now(candidates, request, route)
-            finally:
-                self._placing = False
-            assert backend is not None
+        if backend is None:  # a new tenant other proxies may be placing at once: confirm its placement
+            backend, reason = await self._confirmed(candidates, request, route)
         if self._due is not None:
             self.settle()
         return backend, reason
+
+    async def _confirmed(self, candidates: Sequence[Backend], request: ParsedRequest,
+                         route: Route) -> tuple[Backend, str]:
+        """Decide a new tenant's request (placing it), then wait for the shared table's answer to
+        that placement before it goes: where another proxy wrote first, it goes there instead
+        (arrivals.py). The decision's bookkeeping waits aside meanwhile (decisions made in the
+        meantime settle theirs), and is settled on the replica the request goes to."""
+        arrivals = self.arrivals
+        assert arrivals is not None
+        pin, wait = self._hold_pin, self._hold_s
+        self._placing = True
+        try:
+            backend, reason = self.pick_now(candidates, request, route)
+        finally:
+            self._placing = False
+        assert backend is not None
+        due = (self._due_pin, self._due_now, self._due_returning, self._due_chain)
+        self._due = None
+        answer = await arrivals.confirm(pin, wait)
+        if answer is not None and not answer[1]:  # another proxy placed it first
+            members = answer[0]
+            to = backend if backend.name in members else next((b for b in candidates if b.name in members), None)
+            if to is not None:
+                arrivals.lost += 1
+                self._redirect(request, pin, to)
+                backend = to
+        if self._due is not None:
+            self.settle()
+        self._due = backend
+        self._due_pin, self._due_now, self._due_returning, self._due_chain = due
+        return backend, reason
+
+    def _redirect(self, request: ParsedRequest, pin: int, to: Backend) -> None:
+        """`request`'s tenant was placed first by another proxy: it goes to `to`, following the
+        leader computing the prompt there rather than leading where it was decided."""
+        coalescer = self.coalescer
+        if coalescer is None:
+            return
+        leader = coalescer.yield_lead(pin, to.name, request)
+        if leader is not None:
+            request.wait_for = partial(coalescer.follow, leader)
 
     def pick_now(self, candidates: Sequence[Backend], request: ParsedRequest,
                  route: Route) -> tuple[Backend | None, str]:
@@ -155,7 +188,8 @@ class PrefixAffinity:
         left for `settle`: the data path sends the request first and settles then (Scheduler.settle),
         so at one request at a time that work overlaps the replica's instead of preceding it. What a
         decision left is settled before the next one decides. (None, "hold"): a new tenant another
-        proxy may be placing now; nothing was decided or counted, and `pick` waits for its placement."""
+        proxy may be placing now; nothing was decided or counted, and `pick` decides it and waits
+        for the shared table's answer to its placement."""
         if self._due is not None:
             self.settle()
         endpoint = request.endpoint
@@ -165,12 +199,12 @@ class PrefixAffinity:
         pin, chain, pin_blocks = prefix_key(endpoint == CHAT, request.data, route.upstream_id, block_chars,
                                             self._max_blocks)
         shared = self.shared
-        if (shared is not None and shared.peer_ids and pin_blocks and not self._placing and pin not in self.pins
+        if (shared is not None and pin_blocks and not self._placing and (pin not in self.pins or pin in shared.claims)
                 and shared.up):
             arrivals = self.arrivals
-            hold = arrivals.hold_s(pin, self.view.clock) if arrivals is not None else 0.0
-            if hold > 0.0:  # nothing counted yet: `pick` waits, then decides
-                self._hold_pin, self._hold_s = pin, hold
+            wait = arrivals.wait_s(pin, self.view.clock) if arrivals is not None else 0.0
+            if wait > 0.0:  # nothing counted yet: `pick` decides, then waits for the placement's answer
+                self._hold_pin, self._hold_s = pin, wait
                 return None, "hold"
         match: tuple[int, str | None] | None = None
         if shared is not None:

@@ -49,7 +49,7 @@ class Member:
                       for i in range(REPLICAS)]
         for b in self.fleet:
             b.healthy = True
-        now = time.time()
+        now = self.policy.clock  # (the request clock: the routed counts decay per request)
         for i in range(REPLICAS):  # proxy k sees replica k % REPLICAS idle, the others busy
             self.policy.routed.add(f"r{i}", now, 0.0 if i == k % REPLICAS else 50 * self.policy.routed.factor(now))
         self.route = Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(self.fleet))

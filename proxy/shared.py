@@ -815,9 +815,9 @@ class SharedState:
 
     def _heard_recent(self, proxy: str, at: float, counts: dict) -> None:
         """Another proxy's recent routed counts per replica as of `at` (its clock), unless newer
-        ones were heard."""
+        ones were heard (the same stamp: these came later, as the stream orders them)."""
         heard = self._recents.get(proxy)
-        if heard is None or heard[0] < at:
+        if heard is None or heard[0] <= at:
             self._recents[proxy] = (at, {name: float(count) for name, count in counts.items()
                                          if isinstance(count, (int, float))})
 

@@ -242,6 +242,7 @@ class SharedState:
         self.remote_recent: dict[str, float] = {}
         self.remote_recent_at = 0.0
         self._recents: dict[str, tuple[float, dict[str, float]]] = {}
+        self._recents_heard = False  # a stream entry brought some since they were last summed
         self.local_recent: Callable[[], dict[str, float]] | None = None
         # (tenant -> decayed requests routed here, all requests) at a time; set by the policy
         self.local_tenants: Callable[[float], tuple[dict[int, float], float] | None] | None = None
@@ -676,6 +677,9 @@ class SharedState:
                     self.peers_at = time.monotonic()
                 self._apply(fields)
                 self._set_cursor(entry_id)
+        if self._recents_heard:  # (summed once a read, not once an entry)
+            self._recents_heard = False
+            self._sum_recents(time.time())
         if self._answered:
             self._release_answered()
 
@@ -700,7 +704,7 @@ class SharedState:
             if fields.get("r") and fields.get("p") != self.proxy_id:
                 at, counts = orjson.loads(fields["r"])
                 self._heard_recent(fields["p"], float(at), counts)
-                self._sum_recents(time.time())
+                self._recents_heard = True
             if fields.get("w") and fields.get("p") != self.proxy_id and self.on_warming is not None:
                 now = time.time()
                 for pin, replica, computing, at in orjson.loads(fields["w"])[:_WARM_PER_ENTRY]:

@@ -72,7 +72,7 @@ def test_a_new_tenant_at_two_proxies_at_once_goes_where_the_first_placed_it(redi
             for state in (sa, sb):
                 await state.close()
 
-    chosen_a, chosen_b, follows, lost = asyncio.run(scenario(0.1, tenant(7)))
+    chosen_a, chosen_b, follows, lost = asyncio.run(scenario(60.0, tenant(7)))  # (the answer ends the wait)
     assert chosen_b == chosen_a and follows and lost == 1
     chosen_a, chosen_b, follows, lost = asyncio.run(scenario(0.0, tenant(8)))  # (a tenant the table has not seen)
     assert chosen_b != chosen_a and lost == 0
@@ -84,7 +84,7 @@ def test_two_proxies_placing_a_new_tenant_on_one_replica_at_once_compute_its_pro
     The second placement's answer says another proxy's came first: b's request stops leading and
     follows a's, so the prompt is computed once."""
     async def scenario() -> None:
-        (sa, sb), (a, b) = await two_proxies(redis_url)
+        (sa, sb), (a, b) = await two_proxies(redis_url, placement_hold_s=60.0)  # (the answer ends the wait)
         fa, fb = fleet(), fleet()
         ra, rb = (Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(f)) for f in (fa, fb))
         system = tenant(9)
@@ -117,7 +117,7 @@ def test_nothing_waits_for_a_proxy_alone_or_after_redis_went_away(redis_url: str
     async def scenario() -> None:
         state = SharedState(redis_url, local_load=dict)
         await state._join()
-        policy = PrefixAffinity(AffinityConfig(block_chars=64), state)
+        policy = PrefixAffinity(AffinityConfig(block_chars=64, placement_hold_s=60.0), state)  # (Redis lost ends it)
         bs = fleet()
         route = Route(name=MODEL, model=MODEL, adapter=None, backends=tuple(bs))
         try:

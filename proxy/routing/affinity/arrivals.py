@@ -53,10 +53,12 @@ class Arrivals:
     def wait_s(self, pin: int, now: float) -> float:
         """How long a new tenant's request may wait for its placement's answer (0: it goes at
         once). `now`: the policy's clock."""
+        if not self.most_s or self.shared.alone():  # (nobody to race with: newcomers are not judged either)
+            return 0.0
         if pin not in self._unjudged:
             self._unjudged.add(pin)
             self._newcomers.append((pin, now))
-        if not self.most_s or self.waiting >= _MAX_WAITING or self.shared.alone() or not self._coming_back(now):
+        if self.waiting >= _MAX_WAITING or not self._coming_back(now):
             return 0.0
         return self.most_s
 

@@ -108,7 +108,7 @@ _ALONE_ROUNDS = 5.0  # ... and syncs and flushes this many busy intervals apart
 # and G operations.
 _FLUSH = """
 local changed, n, out = {}, 0, {}
-local i = 7
+local i = 8
 while i <= #ARGV do
   local op, pin, argc = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   local a = i + 3
@@ -139,7 +139,7 @@ end
 local id
 if n > 0 or ARGV[4] ~= '' or ARGV[5] ~= '' then
   id = redis.call('xadd', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'p', ARGV[1], 'i', ARGV[4],
-                  't', n > 0 and cjson.encode(changed) or '', 'w', ARGV[5], 'r', ARGV[6])
+                  't', n > 0 and cjson.encode(changed) or '', 'w', ARGV[5], 'r', ARGV[6], 'g', ARGV[7])
 else
   local last = redis.call('xrevrange', KEYS[2], '+', '-', 'COUNT', 1)
   id = last[1] and last[1][1] or '0-0'
@@ -154,6 +154,14 @@ if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
 if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('pexpire', KEYS[1], ARGV[2]) return 1 end
 return 0
 """
+
+
+def _window_entry(window: LocalWindow, now: float) -> dict:
+    """A balance window as the others read it (the load sync's hash, the change stream's `g`)."""
+    names, filled, counts, overflow, decided, picks = window
+    return {"at": now, "names": names, "filled": filled, "counts": counts,
+            "overflow": [(f"{pin:016x}", name, at) for pin, name, at in overflow],
+            "decided": decided, "picks": picks}
 
 
 def parse_pin(value: str) -> tuple[tuple[str, ...], float]:
@@ -252,6 +260,8 @@ class SharedState:
         # the balance guard's windows (route -> `LocalWindow`), set by the policy; the others',
         # summed per (route, replicas) (`RemoteWindow`)
         self.local_guard: Callable[[], dict[str, LocalWindow]] | None = None
+        # the same for the change stream: windows that decided since the last entry (`flush`)
+        self.stream_guard: Callable[[], dict[str, LocalWindow]] | None = None
         # (route, replicas, [(pin, replica, wall)]): the other proxies' recent overflows
         self.adopt_overflows: Callable[[str, tuple[str, ...], list[tuple[int, str, float]]], None] | None = None
         self.remote_guard: dict[tuple[str, tuple[str, ...]], RemoteWindow] = {}
@@ -267,6 +277,11 @@ class SharedState:
         # replicas), the decisions and picks they made since first seen, summed (they only grow)
         self._guard_totals: dict[str, tuple[int, list[int]]] = {}
         self._guard_accrued: dict[tuple[str, tuple[str, ...]], tuple[int, dict[str, int]]] = {}
+        # the others' windows as the last load sync read them (field -> raw value), and as the
+        # change stream brought them since: field -> (stamp, raw value); the newer of the two counts
+        self._guard_table: dict[str, str] = {}
+        self._guard_heard: dict[str, tuple[float, str]] = {}
+        self._guard_new = False
         # mirror of the placement table: pin -> (members, stamp); `pins_changed` bumps on bulk changes
         self.pins: dict[int, tuple[tuple[str, ...], float]] = {}
         self.pins_changed = 0
@@ -580,21 +595,29 @@ class SharedState:
             index = orjson.dumps(by_backend).decode()
         warming = orjson.dumps(warm).decode() if warm else ""
         items = list(ops.items())
-        recent = ""
-        if self.local_recent is not None and (items or index or warming):
-            recent = orjson.dumps((round(time.time(), 3), {b: round(v, 2) for b, v in self.local_recent().items()
-                                                           if b is not None})).decode()
+        recent = guard = ""
+        if items or index or warming:
+            now = time.time()
+            if self.local_recent is not None:
+                recent = orjson.dumps((round(now, 3), {b: round(v, 2) for b, v in self.local_recent().items()
+                                                       if b is not None})).decode()
+            if self.stream_guard is not None:
+                windows = self.stream_guard()
+                if windows:
+                    guard = orjson.dumps({route: _window_entry(window, now)
+                                          for route, window in windows.items()}).decode()
         for start in range(0, max(len(items), 1), _OPS_BATCH):
             batch = items[start:start + _OPS_BATCH]
             if batch or index or warming:
-                await self._send(batch, index, warming, recent)
-            index = warming = recent = ""
+                await self._send(batch, index, warming, recent, guard)
+            index = warming = recent = guard = ""
 
     async def _send(self, ops: list[tuple[int, tuple[str, ...]]], index: str, warming: str = "",
-                    recent: str = "") -> None:
-        """One batch as one stream entry (with the sender's recent routed counts when given: the
-        others' placement sees where this proxy's traffic goes within a stream read, not a load sync)."""
-        args: list[str] = [self.proxy_id, f"{time.time():.0f}", str(_LOG_MAXLEN), index, warming, recent]
+                    recent: str = "", guard: str = "") -> None:
+        """One batch as one stream entry (with the sender's recent routed counts and balance
+        windows when given: the others' placement and guard see where this proxy's traffic goes
+        within a stream read, not a load sync)."""
+        args: list[str] = [self.proxy_id, f"{time.time():.0f}", str(_LOG_MAXLEN), index, warming, recent, guard]
         for pin, (op, *rest) in ops:
             args += [op, f"{pin:016x}", str(len(rest)), *rest]
         answer = await asyncio.wait_for(self._flush_client.eval(_FLUSH, 2, PINS_KEY, LOG_KEY, *args), self.io_timeout)
@@ -680,6 +703,9 @@ class SharedState:
         if self._recents_heard:  # (summed once a read, not once an entry)
             self._recents_heard = False
             self._sum_recents(time.time())
+        if self._guard_new:  # (the same)
+            self._guard_new = False
+            self.remote_guard = self._other_windows(self._guard_table, time.time())
         if self._answered:
             self._release_answered()
 
@@ -705,6 +731,8 @@ class SharedState:
                 at, counts = orjson.loads(fields["r"])
                 self._heard_recent(fields["p"], float(at), counts)
                 self._recents_heard = True
+            if fields.get("g") and fields.get("p") != self.proxy_id:
+                self._heard_guard(fields["p"], fields["g"])
             if fields.get("w") and fields.get("p") != self.proxy_id and self.on_warming is not None:
                 now = time.time()
                 for pin, replica, computing, at in orjson.loads(fields["w"])[:_WARM_PER_ENTRY]:
@@ -759,11 +787,8 @@ class SharedState:
                 payload = {"at": now, "total": counts[1], "rates": {f"{p:016x}": round(r, 3) for p, r in top}}
                 pipe.hset(TENANTS_KEY, self.proxy_id, orjson.dumps(payload))
         if self.local_guard is not None and busy:
-            windows = {f"{self.proxy_id}|{route}": orjson.dumps({
-                "at": now, "names": names, "filled": filled, "counts": counts,
-                "overflow": [(f"{pin:016x}", name, at) for pin, name, at in overflow],
-                "decided": decided, "picks": picks})
-                for route, (names, filled, counts, overflow, decided, picks) in self.local_guard().items()}
+            windows = {f"{self.proxy_id}|{route}": orjson.dumps(_window_entry(window, now))
+                       for route, window in self.local_guard().items()}
             if windows:
                 pipe.hset(GUARD_KEY, mapping=windows)
                 self._guard_fields.update(windows)
@@ -783,7 +808,8 @@ class SharedState:
         if self.local_hot is not None and self.on_hot is not None:
             self.on_hot(self._hot(results[-2], time.time()))
         if self.local_guard is not None:
-            self.remote_guard = self._other_windows(results[-3 if self.local_hot is not None else -2], time.time())
+            self._guard_table = results[-3 if self.local_hot is not None else -2]
+            self.remote_guard = self._other_windows(self._guard_table, time.time())
 
     def _hot(self, table: dict[str, str], now: float) -> list[HotTenants]:
         """The other proxies' fresh busy tenants (`HotTenants`); a proxy idle for long is left out
@@ -840,9 +866,46 @@ class SharedState:
                 total[name] = total.get(name, 0.0) + count * decay
         self.remote_recent, self.remote_recent_at = total, now
 
+    def _heard_guard(self, proxy: str, payload: str) -> None:
+        """Another proxy's balance windows from a stream entry (`flush`), kept where newer than
+        what was heard before; summed in at the end of the stream read (`_follow`)."""
+        try:
+            windows = [(route, float(entry["at"]), entry) for route, entry in orjson.loads(payload).items()]
+        except (ValueError, KeyError, TypeError, AttributeError):  # (not ours: ignored)
+            return
+        for route, at, entry in windows:
+            field = f"{proxy}|{route}"
+            known = self._guard_heard.get(field)
+            if known is None or at > known[0]:
+                self._guard_heard[field] = (at, orjson.dumps(entry).decode())
+                self._guard_new = True
+
+    def _newest_windows(self, table: dict[str, str]) -> dict[str, str]:
+        """The load sync's `table` of the others' windows with what the stream brought since,
+        where that is newer (a heard entry the table caught up with is dropped)."""
+        heard = self._guard_heard
+        if not heard:
+            return table
+        merged = dict(table)
+        for field, (at, value) in list(heard.items()):
+            current = table.get(field)
+            if current is not None:
+                known = self._guard_read.get(field)
+                try:
+                    stamp = known[1][0] if known is not None and known[0] == current else float(orjson.loads(current)["at"])
+                except (ValueError, KeyError, TypeError, orjson.JSONDecodeError):
+                    stamp = -math.inf
+                if stamp >= at:
+                    del heard[field]
+                    continue
+            merged[field] = value
+        return merged
+
     def _other_windows(self, table: dict[str, str], now: float) -> dict[tuple[str, tuple[str, ...]], RemoteWindow]:
         """The other proxies' fresh balance windows, summed per (route, replicas) (`RemoteWindow`):
-        a proxy that sees another fleet (a change not yet seen by all) or went idle is left out."""
+        a proxy that sees another fleet (a change not yet seen by all) or went idle is left out.
+        Each window as the load sync read it, or as a stream entry brought it since (`_heard_guard`)."""
+        table = self._newest_windows(table)
         out: dict[tuple[str, tuple[str, ...]], RemoteWindow] = {}
         stale = []
         fresh = max(_GUARD_FRESH_S, self.rate_tau)
@@ -900,6 +963,8 @@ class SharedState:
                 if overflow and self.adopt_overflows is not None:
                     self.adopt_overflows(route, names, overflow)
         if stale:
+            for field in stale:
+                self._guard_heard.pop(field, None)
             self._tasks.spawn(self._drop(stale, GUARD_KEY), "drop stale balance windows")
         return out
 
@@ -982,6 +1047,7 @@ class SharedState:
             self.remote_recent = {}
             self._recents = {}
             self.remote_guard = {}
+            self._guard_table, self._guard_heard = {}, {}
             self._pending = {}
             self._ops = {}
             self._unclaim()

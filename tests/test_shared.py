@@ -256,6 +256,47 @@ def test_where_a_proxys_traffic_goes_now_rides_its_change_stream_entries(redis_u
     asyncio.run(scenario())
 
 
+def test_a_proxys_balance_windows_ride_its_change_stream_entries(redis_url: str) -> None:
+    """Each stream entry a proxy writes carries its balance windows that decided since its last
+    entry (and its overflows since): another proxy's guard counts them at its next stream read,
+    not its next load sync. Its own entries do not count; a newer window replaces an older one,
+    and a load sync's older copy does not replace what the stream brought; an entry that is not
+    ours changes nothing."""
+    async def scenario() -> None:
+        bs = fleet(4)
+        key = ("m", tuple(sorted(b.name for b in bs)))
+        a, b = (SharedState(redis_url, local_load=lambda: {}, sync_interval_s=60.0) for _ in range(2))
+        ga = Balance(200, 10.0, 0.1, shared=a)  # (never caps: a huge epsilon)
+        a.stream_guard = ga.streamed
+        try:
+            for s in (a, b):
+                await s._join()
+            for i in range(40):
+                ga.check("m", bs, bs[0], 100 + i, (), False, 2.0)
+            a.remember([1, 2, 3], "gpu-0")
+            await a.flush()
+            await b.catch_up()
+            await a.catch_up()
+            assert b.remote_guard[key][:2] == (40, {"gpu-0": 40, "gpu-1": 0, "gpu-2": 0, "gpu-3": 0})
+            assert a.remote_guard == {}
+            for i in range(10):
+                ga.check("m", bs, bs[1], 200 + i, (), False, 2.0)
+            a.remember([4], "gpu-1")
+            await a.flush()
+            await b._flush_client.xadd(shared_module.LOG_KEY, {"p": "x", "i": "", "g": "not json"})
+            await b.catch_up()
+            assert b.remote_guard[key][:2] == (50, {"gpu-0": 40, "gpu-1": 10, "gpu-2": 0, "gpu-3": 0})
+            # a load sync's copy from before the stream's (its stamp older) does not replace it
+            old = orjson.dumps({"at": time.time() - 1.0, "names": list(key[1]), "filled": 40,
+                                "counts": [40, 0, 0, 0], "overflow": [], "decided": 40, "picks": [40, 0, 0, 0]})
+            assert b._other_windows({f"{a.proxy_id}|m": old.decode()}, time.time())[key][0] == 50
+        finally:
+            for s in (a, b):
+                await s.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_proxy_alone_syncs_at_a_longer_interval_until_another_shares_the_state(redis_url: str) -> None:
     """Nobody reads the view of a proxy that is alone: its busy rounds (load sync, index flush)
     go five busy intervals apart, at most sync_interval_s. Another proxy's load entries bring

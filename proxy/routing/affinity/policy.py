@@ -67,6 +67,7 @@ class PrefixAffinity:
                              self.balance.recent_counts if self.balance is not None else None)
         if shared is not None and self.balance is not None:
             shared.local_guard, shared.adopt_overflows = self.balance.snapshot, self.balance.adopt
+            shared.stream_guard = self.balance.streamed
         self.coalescer = None
         if config.coalesce_wait_s > 0:
             self.coalescer = Coalescer(config.coalesce_wait_s, shared.warming if shared is not None else None)

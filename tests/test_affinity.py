@@ -1049,46 +1049,6 @@ def test_the_stretch_bound_counts_the_other_proxies_decisions_as_their_sync_brin
     assert capped and chosen is not bs[0]
 
 
-def test_between_two_views_of_the_other_proxies_the_guard_counts_their_likely_decisions() -> None:
-    """Between two views of the others (a stream entry, a sync) each proxy would use the headroom
-    the last view showed, all of them at once. The guard counts what the others likely decided
-    since, at their recent pace: their picks of the replica beyond its share, per decision of
-    this proxy. Others that spread their decisions evenly add nothing."""
-    from proxy.routing.affinity.balance import Balance
-
-    class Others:  # the shared view's part the guard reads
-        remote_guard: dict = {}
-
-    bs = backends(4)
-    names = [b.name for b in bs]
-    key = (MODEL, tuple(sorted(names)))
-
-    def capped_after(their_picks: list[int]) -> tuple[bool, bool]:
-        """(capped right after the second view, capped 20 decisions of this proxy later)."""
-        others = Others()
-        guard = Balance(200.0, 0.03, 0.1, shared=others, wall=lambda: 1000.0)  # type: ignore[arg-type]
-
-        def view(decided: int, picks: list[int]) -> None:  # their window: 100 each of 400
-            others.remote_guard = {key: (400, dict.fromkeys(names, 100), decided, dict(zip(names, picks)))}
-
-        for k in range(400):  # this proxy's own part of the window, before any view of the others
-            guard.check(MODEL, bs, bs[k % 4], k, (), False, 2.0)
-        view(1000, [250] * 4)  # first sight: a starting point
-        for k in range(16):
-            guard.check(MODEL, bs, bs[k % 4], k, (), False, 2.0)
-        view(1032, their_picks)  # their 32 decisions during this proxy's 16
-        first = guard.check(MODEL, bs, bs[0], 1, (), False, 2.0)[1]
-        for k in range(20):
-            assert guard.check(MODEL, bs, bs[1 + k % 3], k, (), False, 2.0)[1] is False
-        chosen, capped = guard.check(MODEL, bs, bs[0], 2, (), False, 2.0)
-        assert capped is (chosen is not bs[0])  # (capped, it goes where the others likely left room)
-        return first, capped
-
-    # all 32 on gpu-0: about 1.45 of its requests a decision here beyond its share
-    assert capped_after([282, 250, 250, 250]) == (False, True)  # (and goes elsewhere: `capped_after`)
-    assert capped_after([258, 258, 258, 258]) == (False, False)
-
-
 def test_share_floor_bounds_both_estimates() -> None:
     """The shrink check skips the tenants' share estimates when their cheap floor already rules a
     shrink out: the floor must never exceed either estimate (tenants appearing late, going quiet,

@@ -35,8 +35,7 @@ is cached nowhere else.
 With several proxies the window is the fleet's: this proxy's decisions as they happen plus the
 others' windows as they last published them, for the same replicas: on each entry of the change
 stream they write (`streamed`; a stream read brings it in a few ms) and at their load sync (Redis,
-every `busy_sync_interval_s` while routing; proxy/shared.py). Between two views the others' likely
-decisions since, at their recent pace, count too (`_ahead`). Each proxy capping its own third with a
+every `busy_sync_interval_s` while routing; proxy/shared.py). Each proxy capping its own third with a
 third of the slack capped on the chance excursions of its sample (a third as many requests),
 which sent 2-3x the 1-proxy count of overflows to replicas without the prompt. The overflows of
 the last FRESH_S go out with the window, so a tenant capped anywhere overflows to the same
@@ -65,7 +64,6 @@ replica is slower (speed shares) only the window bounds it.
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Final, Sequence
@@ -97,9 +95,6 @@ _FILLING: Final = 0.3  # extra relative headroom while the window fills (falls l
 # rate, 800-request phases: worst share 0.965 against 0.971 without it); at 0.1, 4 requests (0.5 %
 # of the time above 20), and it caps what it is for: credit (400-request phases <= 1.28 offline)
 _STRETCH_EPSILON: Final = 0.1
-# the others' pace (their decisions per decision of this proxy, each replica's part of their picks)
-# is smoothed over about this many decisions, theirs and this proxy's (`_fold`)
-_PACE: Final = 32.0
 
 
 class Window:
@@ -107,7 +102,7 @@ class Window:
 
     __slots__ = ("names", "key", "fleet", "recent", "counts", "overflow", "spills", "fresh", "filling", "size", "again",
                  "speeds", "shares", "decided", "published", "rate", "level", "ticks", "picks", "folded", "seen",
-                 "tenants", "lent", "streamed", "streamed_at", "mine_n", "mine", "theirs", "their_picks")
+                 "tenants", "lent", "streamed", "streamed_at")
 
     def __init__(self, names: tuple[str, ...], before: "Window | None" = None, route: str = "",
                  epsilon: float = 0.0) -> None:
@@ -132,13 +127,6 @@ class Window:
         self.picks: dict[str, int] = dict.fromkeys(names, 0)
         self.folded: object = None
         self.seen: tuple[int, dict[str, int]] = (0, {})
-        # dead reckoning of the others between two views of them (`_ahead`): this proxy's
-        # decisions since the last fold; decayed over about _PACE decisions (`_fold`), this
-        # proxy's decisions, theirs, and their picks of each replica
-        self.mine_n = 0
-        self.mine = 0.0
-        self.theirs = 0.0
-        self.their_picks: dict[str, float] = {}
         # a fresh start knows nothing yet: looser while the window fills; after a change of the
         # route's replicas the placement already knows its tenants
         self.filling = _FILLING if before is None else 0.0
@@ -210,26 +198,20 @@ class Balance:
         if not shares and (capped or (count + 1 > limit - lend and window.lent.get(chosen.name))):
             capped = _lend(window, chosen.name, capped, len(members) > 1 or pin in window.overflow,
                            count + 1 <= limit * (1.0 + _LEND_OVER), lend)
-        dead = others is not None and window.mine_n > 0 and window.mine > 0.0
-        ahead = _ahead(window, chosen.name) if dead else 0.0
-        if ahead and not capped and count + ahead + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0):
-            capped = True
         burst = 0.0
         if self.burst and not shares:  # (the window's looseness while it fills applies here too)
             burst = self.burst + _loose(window, filled, size, n)
-            if _above(window, chosen.name) + ahead + 1.0 > burst:
+            if _above(window, chosen.name) + 1.0 > burst:
                 capped = True
         if capped or (cached is not None and cached != chosen.name and count + 1 > limit - _NEAR
                       and not continuation):
             # each replica's count over the fleet's window, raised to where the window's room is no
             # more than the stretch bound's
-            # (and the others' likely decisions since their last view, as for the request at hand)
             held: dict[str, float] = {}
             for key, c in counts.items():
-                extra = _ahead(window, key) if dead else 0.0
-                held[key] = float(c + remote.get(key, 0)) + extra if others is not None else float(c)
+                held[key] = float(c + remote.get(key, 0)) if others is not None else float(c)
                 if burst:
-                    least = fair + slack - burst + _above(window, key) + extra
+                    least = fair + slack - burst + _above(window, key)
                     if held[key] < least:
                         held[key] = least
             if capped:
@@ -246,7 +228,6 @@ class Balance:
         counts = window.counts
         counts[name] += 1
         window.decided += 1
-        window.mine_n += 1
         recent = window.recent
         recent.append(name)
         tenants = window.tenants
@@ -340,10 +321,7 @@ class Balance:
                 _trim(w.fresh, _FRESH_MAX)
             if (w.recent or w.published < 0) and w.decided != w.published:  # (-1: restarted, `restart`)
                 w.published = w.decided
-                names = w.key[1]
-                out[route] = (names, len(w.recent), [w.counts[name] for name in names],
-                              [(pin, name, at) for pin, (name, at) in w.fresh.items()],
-                              w.decided, [w.picks[name] for name in names])
+                out[route] = _local(w, -1.0)
         return out
 
     def streamed(self) -> dict[str, "LocalWindow"]:
@@ -353,19 +331,17 @@ class Balance:
         live, three proxies at 10x the rate: the guard's view of the others was 25 ms old at the
         median, 50-60 ms at p90, one sync plus the publisher's own; a stream entry reached the
         others in 4 ms (p90 18 ms). Offline, the same lag (a sync every 16 requests of each proxy)
-        made three proxies cap 1.3x as many requests as with the others' windows current, two
-        thirds of them in a new population's second hundred requests, where its hot tenants grew
-        late (docs/BENCHMARKS.md)."""
+        made three proxies cap 1.3x as many requests as with the others' windows current, half of
+        the difference in a new population's second hundred requests, where its hot tenants grew
+        late. Live, three proxies at 10x the rate (seeds 0-15): 0.9834 of the pooled bound over seven
+        runs against 0.9820 over three of the release before, 12 % fewer overflows (docs/BENCHMARKS.md)."""
         out = {}
         now = self.wall()
         for route, w in self._routes.items():
             if (w.recent or w.streamed < 0) and w.decided != w.streamed:
                 w.streamed = w.decided
                 since, w.streamed_at = w.streamed_at, now
-                names = w.key[1]
-                out[route] = (names, len(w.recent), [w.counts[name] for name in names],
-                              [(pin, name, at) for pin, (name, at) in w.fresh.items() if at > since],
-                              w.decided, [w.picks[name] for name in names])
+                out[route] = _local(w, since)
         return out
 
     def adopt(self, route: str, names: tuple[str, ...], overflows: list[tuple[int, str, float]]) -> None:
@@ -457,6 +433,14 @@ class Balance:
             self._publish(window, pin, name)
 
 
+def _local(w: Window, since: float) -> "LocalWindow":
+    """The window as the other proxies read it (`snapshot`), with its overflows after `since`."""
+    names = w.key[1]
+    return (names, len(w.recent), [w.counts[name] for name in names],
+            [(pin, name, at) for pin, (name, at) in w.fresh.items() if at > since],
+            w.decided, [w.picks[name] for name in names])
+
+
 def _lend(window: Window, name: str, capped: bool, elsewhere: bool, within: bool, most: float) -> bool:
     """Whether the cap turns this request away, given what it lent the replica: a capped request
     whose tenant's prompt is cached nowhere else (one replica, never overflowed) passes, within
@@ -501,20 +485,6 @@ def _above(window: Window, name: str) -> float:
     return level if level > 0.0 else 0.0
 
 
-def _ahead(window: Window, name: str) -> float:
-    """How far the other proxies have likely gone over the stretch bound's rate on this replica
-    since the view of them folded in last: at their recent pace (their picks of it and their
-    decisions, per decision of this proxy), over this proxy's decisions since. The cap adds it
-    to the replica's count and to its stretch: between two views each proxy used the headroom
-    the last one showed, all of them at once, and three proxies took up to three times it.
-    Never below 0: a guess does not loosen the cap. Live, three proxies at 10x the rate (with
-    the windows on the change stream, `streamed`), seeds 0-15 run twice against the release
-    before: +0.0013 and +0.0021 of the pooled bound, worst phase 0.929/0.925 -> 0.942/0.946,
-    the guard's overflows down 3-21 % (docs/BENCHMARKS.md)."""
-    more = window.mine_n * (window.their_picks.get(name, 0.0) - window.rate * window.theirs) / window.mine
-    return more if more > 0.0 else 0.0
-
-
 def _fold(window: Window, others: "RemoteWindow") -> None:
     """Fold the other proxies' decisions since their last sync into the stretch walks: each
     replica's new picks first, then the clock (their order within the interval is unknown; this
@@ -525,17 +495,8 @@ def _fold(window: Window, others: "RemoteWindow") -> None:
     decided, picks = others[2], others[3]
     before, seen = window.seen
     window.seen = (decided, picks)
-    mine_n, window.mine_n = window.mine_n, 0
     if first or decided < before or any(n < seen.get(name, 0) for name, n in picks.items()):
         return
-    theirs = decided - before
-    if mine_n or theirs:  # (the pace of `_ahead`, decayed over about _PACE decisions)
-        keep = math.exp(-(theirs + mine_n) / _PACE)
-        window.mine = window.mine * keep + mine_n
-        window.theirs = window.theirs * keep + theirs
-        of = window.their_picks
-        for name, n in picks.items():
-            of[name] = of.get(name, 0.0) * keep + (n - seen.get(name, 0))
     level, base = window.level, window.ticks * window.rate
     for name, n in picks.items():
         new = n - seen.get(name, 0)

@@ -94,7 +94,9 @@ _ALONE_ROUNDS = 5.0  # ... and syncs and flushes this many busy intervals apart
 
 # One batch of changes, atomically, then one stream entry naming what changed. ARGV: proxy id,
 # stamp, stream max length, index entries (JSON or ''), prompts being computed (JSON or '',
-# proxy/routing/affinity/coalesce.py), then operations (op, pin, argument count, arguments...):
+# proxy/routing/affinity/coalesce.py), the sender's recent routed counts and its balance windows
+# (JSON or '': they ride an entry written for the others), then operations (op, pin, argument
+# count, arguments...):
 #   S value          set (grow, shrink, re-home, refresh): last writer wins
 #   N value          set if absent (republishing a mirror to a Redis that restarted empty)
 #   G old value      compare-and-set of the members (proxies growing one tenant agree on one set)

@@ -965,8 +965,10 @@ class SharedState:
                 if overflow and self.adopt_overflows is not None:
                     self.adopt_overflows(route, names, overflow)
         if stale:
+            # (out of the sync's table too: each stream read sums it again, and would drop them again)
             for field in stale:
                 self._guard_heard.pop(field, None)
+                self._guard_table.pop(field, None)
             self._tasks.spawn(self._drop(stale, GUARD_KEY), "drop stale balance windows")
         return out
 

@@ -120,12 +120,13 @@ class Window:
         self.tenants: deque[int] = deque()  # each decision's tenant, beside `recent` (`restart`)
         # the stretch bound: allowance a decision (1 + eps) / n, each replica's walk level on the
         # `ticks` clock (decisions here and folded in from the others), this proxy's own picks so
-        # far (published), the others' entry last folded in and its (decisions, picks)
+        # far (published), the others' picks last folded in (by identity: a dict keeps it where the
+        # compiled build boxes the view's tuple anew at each read) and their (decisions, picks)
         self.rate = (1.0 + epsilon) / len(names) if names else 0.0
         self.level: dict[str, float] = dict.fromkeys(names, 0.0)
         self.ticks = 0.0
         self.picks: dict[str, int] = dict.fromkeys(names, 0)
-        self.folded: object = None
+        self.folded: dict[str, int] | None = None
         self.seen: tuple[int, dict[str, int]] = (0, {})
         # a fresh start knows nothing yet: looser while the window fills; after a change of the
         # route's replicas the placement already knows its tenants
@@ -189,7 +190,7 @@ class Balance:
         count = counts[chosen.name]
         if others is not None:
             count += remote.get(chosen.name, 0)
-            if others is not window.folded:
+            if others[3] is not window.folded:
                 _fold(window, others)
         capped = count + 1 > limit * (1.0 + self.continuation_slack if continuation else 1.0)
         # which requests the window's cap turns away: one whose prompt is cached nowhere else rather not
@@ -292,7 +293,7 @@ class Balance:
         shares = window.shares if Backend.speed_version and self.speed_balance else None
         fair, slack = _cap(window, self.speed_epsilon if shares else self.epsilon, filled, size, n, others, proxies)
         burst = self.burst + _loose(window, filled, size, n) if self.burst and not shares else 0.0
-        if others is not None and others is not window.folded:
+        if others is not None and others[3] is not window.folded:
             _fold(window, others)
         out = []
         for name in names:
@@ -491,8 +492,8 @@ def _fold(window: Window, others: "RemoteWindow") -> None:
     one lets the fewest of them count twice). The first sight of them, or a fall in what they
     made since first seen (the shared view lost them for a while), is a starting point only."""
     first = window.folded is None
-    window.folded = others
     decided, picks = others[2], others[3]
+    window.folded = picks
     before, seen = window.seen
     window.seen = (decided, picks)
     if first or decided < before or any(n < seen.get(name, 0) for name, n in picks.items()):

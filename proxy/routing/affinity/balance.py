@@ -334,7 +334,7 @@ class Balance:
         others in 4 ms (p90 18 ms). Offline, the same lag (a sync every 16 requests of each proxy)
         made three proxies cap 1.3x as many requests as with the others' windows current, half of
         the difference in a new population's second hundred requests, where its hot tenants grew
-        late. Live, three proxies at 10x the rate (seeds 0-15): 0.9834 of the pooled bound over seven
+        late. Live, three proxies at 10x the rate (seeds 0-15): 0.9834 of the pooled bound over eight
         runs against 0.9820 over three of the release before, 12 % fewer overflows (docs/BENCHMARKS.md)."""
         out = {}
         now = self.wall()

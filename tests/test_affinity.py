@@ -712,7 +712,10 @@ def test_tenants_that_stop_sending_stop_counting_within_requests() -> None:
 @pytest.mark.parametrize("late_slowdown", [False, True])
 def test_a_tenant_turning_hot_grows_within_hundreds_of_requests_and_shrinks_back(late_slowdown: bool) -> None:
     """Counted in requests whatever the machine's pace: with the request rate falling 100x late
-    in the cool-down (a loaded machine), the set still shrinks cool_down_requests after it grew."""
+    in the cool-down (a loaded machine), the set still shrinks cool_down_requests after it last
+    changed. (It grows to three by the guard's overflows, which no longer wait for a fresh
+    start's window to fill; cooled, it gives one back when it returns to a replica without
+    room, the other cool_down_requests after that.)"""
     bs = backends(4)
     clock = ManualClock()
     policy = PrefixAffinity(AffinityConfig(), timer=clock)
@@ -725,7 +728,7 @@ def test_a_tenant_turning_hot_grows_within_hundreds_of_requests_and_shrinks_back
     assert len(grown) >= 2
     # cools down again: its set shrinks cool_down_requests (1000) after it grew
     drive(policy, bs, light + [hot], [1.0] * 10 + [0.2], 700, seed=2, clock=clock)
-    drive(policy, bs, light + [hot], [1.0] * 10 + [0.2], 500, seed=3, clock=clock,
+    drive(policy, bs, light + [hot], [1.0] * 10 + [0.2], 1000, seed=3, clock=clock,
           step_s=1e-2 if late_slowdown else 1e-4)
     assert len(policy.pins[pin_of(hot)][0]) == 1
 
@@ -1117,6 +1120,18 @@ def test_a_tenant_the_guard_caps_twice_grows_by_its_overflow_replica_if_its_traf
     assert capped and not balance.settled(MODEL, hot)  # once may be chance
     again, capped = balance.check(MODEL, bs, bs[0], hot, (names[0],), False, 1.0)
     assert capped and again is chosen and balance.settled(MODEL, hot)
+    # the same while a fresh start's window still fills (a quarter of it, all offered to gpu-0):
+    # its hot tenants grow when the cap meets them, not once the window is full
+    fresh = Balance(200.0, 0.03, 0.1)
+    for k in range(200):
+        fresh.check(MODEL, bs, bs[0], 1000 + k, (), False, 1.0)
+    for _ in range(4):  # (at the cap: the first few may pass, cached nowhere else; `_lend`)
+        chosen, capped = fresh.check(MODEL, bs, bs[0], hot, (names[0],), False, 1.0)
+        if capped:
+            break
+    assert capped and not fresh.settled(MODEL, hot)
+    again, capped = fresh.check(MODEL, bs, bs[0], hot, (names[0],), False, 1.0)
+    assert capped and again is chosen and fresh.settled(MODEL, hot)
 
     clock = ManualClock()
     policy = PrefixAffinity(AffinityConfig(), timer=clock)

@@ -564,6 +564,30 @@ def test_a_set_another_proxy_grew_waits_the_cool_down_here_too() -> None:
     assert policy.pins[pin][0] == ("gpu-0",)
 
 
+def test_a_cooled_set_gives_back_every_member_its_traffic_no_longer_needs_at_once() -> None:
+    """A set of three whose tenant went silent shrinks to one at the end of its cool-down, not
+    one member per cool-down (the previous hot tenant kept two replicas for a second cool-down);
+    a tenant whose traffic still needs two keeps two."""
+    policy = PrefixAffinity(AffinityConfig())
+    table, shrink, pin = policy.table, policy.placement._maybe_shrink, 7
+    grown = ("gpu-0", "gpu-1", "gpu-2")
+    table.changed[pin], table.shrink_seen[pin] = 0.0, grown
+    policy.pins[pin] = (grown, time.time())
+    shrink(pin, grown, 4, AffinityConfig().cool_down_requests + 1.0)  # no traffic at all
+    assert policy.pins[pin][0] == ("gpu-0",)
+
+    busy = PrefixAffinity(AffinityConfig())
+    bs = backends(4)
+    light = [f"light tenant {i} " * 40 for i in range(10)]
+    hot = "the tenant that keeps two " * 40
+    drive(busy, bs, light + [hot], [1.0] * 10 + [3.5], 600)  # a quarter of the traffic: needs two
+    pin = pin_of(hot)
+    busy.table.changed[pin], busy.table.shrink_seen[pin] = busy.clock - AffinityConfig().cool_down_requests, grown
+    busy.pins[pin] = (grown, time.time())
+    busy.placement._maybe_shrink(pin, grown, 4, busy.clock)
+    assert busy.pins[pin][0] == grown[:2]
+
+
 def test_packing_evens_out_traffic_below_the_target_too() -> None:
     """Prompts evenly spread (20 small tenants per replica), one replica a little past the traffic
     target and two below the mean (a layout the weak shape settled into: max/mean 1.11 over the

@@ -293,8 +293,8 @@ class Placement:
         return order[0], "pinned"
 
     def _maybe_shrink(self, pin: int, members: tuple[str, ...], n: int, now: float) -> None:
-        """Drop the last member once the tenant's traffic fits in one replica less (with
-        hysteresis below the growth threshold), and its set has not changed for cool_down_requests
+        """Drop the last members the tenant's traffic no longer needs (with hysteresis below the
+        growth threshold), all at once, once its set has not changed for cool_down_requests
         as this proxy saw it: a set other than the one seen last, or seen here for the first time
         (another proxy grew it), counts as changed now; one member replaced by this proxy's packing
         repair does not. (Not by the table's wall-time stamp: wall time over the current request
@@ -317,6 +317,9 @@ class Placement:
         if tenants.share_floor(pin, now) * n >= below:  # (the estimates can only be higher: skip them)
             return
         share = tenants.high(pin, now)
-        if share * n < below:
-            log.info("tenant %016x (share %.3f) shrinks to %s", pin, share, ",".join(members[:-1]))
-            self.table.set(pin, members[:-1], now)
+        keep = len(members)
+        while keep > 1 and share * n < (keep - 1) * self.grow_fill * 0.75:
+            keep -= 1
+        if keep < len(members):
+            log.info("tenant %016x (share %.3f) shrinks to %s", pin, share, ",".join(members[:keep]))
+            self.table.set(pin, members[:keep], now)

@@ -364,8 +364,9 @@ class Balance:
     def settled(self, route: str, pin: int) -> bool:
         """The tenant overflowed before: its traffic, not chance, meets the cap. Also while a
         fresh start's window fills: held back until it was full, a fresh start's hot tenants
-        overflowed one request at a time, their replicas took 1.1-1.2x the mean over the first
-        800 requests, and the fresh-start cells lost 0.004-0.01 of the share (docs/BENCHMARKS.md)."""
+        overflowed one request at a time and their replicas took 1.1-1.2x the mean over the
+        first 800 requests; growing them, the fresh-start cells at full length kept or gained
+        share (strong shape, three proxies +0.01: docs/BENCHMARKS.md)."""
         window = self._routes.get(route)
         return window is not None and window.again == pin
 

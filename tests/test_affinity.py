@@ -750,7 +750,7 @@ def test_a_tenant_turning_hot_grows_within_hundreds_of_requests_and_shrinks_back
     drive(policy, bs, light + [hot], [1.0] * 10 + [10.0], 300, seed=1, clock=clock)  # now 50 %
     grown = policy.pins[pin_of(hot)][0]
     assert len(grown) >= 2
-    # cools down again: its set shrinks cool_down_requests (1000) after it grew
+    # cools down again: its set shrinks cool_down_requests (1000) after it last changed
     drive(policy, bs, light + [hot], [1.0] * 10 + [0.2], 700, seed=2, clock=clock)
     drive(policy, bs, light + [hot], [1.0] * 10 + [0.2], 1000, seed=3, clock=clock,
           step_s=1e-2 if late_slowdown else 1e-4)

@@ -313,12 +313,12 @@ class Placement:
         if changed is None or now - changed < self.cool_down_requests:  # (None: returned above)
             return
         tenants = self.tenants
-        below = (len(members) - 1) * self.grow_fill * 0.75
-        if tenants.share_floor(pin, now) * n >= below:  # (the estimates can only be higher: skip them)
+        step = self.grow_fill * 0.75  # share x replicas an extra member needs to stay
+        if tenants.share_floor(pin, now) * n >= (len(members) - 1) * step:  # (the estimates can only be higher)
             return
         share = tenants.high(pin, now)
         keep = len(members)
-        while keep > 1 and share * n < (keep - 1) * self.grow_fill * 0.75:
+        while keep > 1 and share * n < (keep - 1) * step:
             keep -= 1
         if keep < len(members):
             log.info("tenant %016x (share %.3f) shrinks to %s", pin, share, ",".join(members[:keep]))

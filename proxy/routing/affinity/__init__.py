@@ -20,7 +20,10 @@ The unit of placement is the tenant: the **pin key** (the leading system part of
    spills that one request and brings the packing repair forward (step 5 re-homes it); before
    warm-up only a real queue makes it spill. When the tenant cools (its traffic would fit in one
    replica less, `cool_down_requests` after the set last grew or lost a member; a member the
-   packing repair replaced restarts nothing) the last member is dropped.
+   packing repair replaced restarts nothing) the members it no longer needs are dropped at once.
+   A set whose members all run at or over the mean also grows by a replica outside it that took
+   under 3/4 of the mean of late, if the tenant's traffic can make up the difference: a replica
+   holding only light tenants is capped by nobody and filled by nothing else (placement.py `_light`).
 4. A tenant never seen is **placed** on the replica with the least recent traffic and cache
    pressure (active tenants placed there), ties broken by rendezvous hashing, among the replicas
    where the balance guard would not cap its first request (a population that just changed meets a

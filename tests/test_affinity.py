@@ -607,7 +607,7 @@ def test_a_tenant_on_several_replicas_fills_a_replica_its_light_tenants_leave_un
     out = drive(policy, bs, small + [hot], weights, 700, seed=1, clock=clock)
     assert bs[4].name in policy.pins[pin_of(hot)][0]
     last = Counter(name for _, name, _ in out[-300:])
-    assert last[bs[4].name] >= 0.9 * 300 / 5 and max(last.values()) <= 1.1 * 300 / 5
+    assert 0.9 * 300 / 5 <= last[bs[4].name] <= 1.2 * 300 / 5  # its part, not more (its light tenant alone: 42)
 
 
 def test_packing_evens_out_traffic_below_the_target_too() -> None:

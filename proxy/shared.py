@@ -56,6 +56,9 @@ log = logging.getLogger("vllm_proxy.shared")
 
 LOAD_KEY = "vp:load"
 TENANTS_KEY = "vp:tenants"  # field: proxy id -> its busiest tenants' decayed request counts (JSON)
+# the others' tenant counts (`SharedState.other_tenants`): tenant -> decayed requests, all requests,
+# tenant -> (all requests of the proxies that count it, their requests since it appeared there)
+Others = tuple[dict[int, float], float, dict[int, tuple[float, float]]]
 _TENANTS_EVERY_S = 1.0  # how often a proxy publishes them...
 # ... or after this many requests routed here, whichever comes first: a new population's tenants
 # reach the others' packing repair within as many requests at any rate (at 10x a benchmark's
@@ -238,7 +241,7 @@ class SharedState:
         # requests a second, 70 times a second, two round trips each cost 4-6 % of the throughput):
         # lease name -> (monotonic time the answer stands until, held); (until, the others' tenants)
         self._leases: dict[str, tuple[float, bool]] = {}
-        self._tenants_read: tuple[float, tuple[dict[int, float], float]] | None = None
+        self._tenants_read: tuple[float, Others] | None = None
         self.remote_load: dict[str, int] = {}
         # smoothed routed counts of the other proxies, decayed to `remote_rate_at` (unix time)
         self.remote_rate: dict[str, float] = {}
@@ -254,8 +257,9 @@ class SharedState:
         self._recents: dict[str, tuple[float, dict[str, float]]] = {}
         self._recents_heard = False  # a stream entry brought some since they were last summed
         self.local_recent: Callable[[], dict[str, float]] | None = None
-        # (tenant -> decayed requests routed here, all requests) at a time; set by the policy
-        self.local_tenants: Callable[[float], tuple[dict[int, float], float] | None] | None = None
+        # (tenant -> decayed requests routed here, all requests[, tenant -> those of all since it
+        # appeared here]) at a time, or None; set by the policy (`TenantStats.requests`)
+        self.local_tenants: Callable[[float], tuple | None] | None = None
         self._tenants_at = 0.0
         self.routed = 0  # requests routed here (the policy counts them), for the tenants' cadence
         self._tenants_routed = 0
@@ -424,11 +428,12 @@ class SharedState:
         self._leases[name] = (asked + seconds / 2, held)
         return held
 
-    async def other_tenants(self) -> tuple[dict[int, float], float] | None:
-        """The other proxies' published tenant counts (decayed to now) and their total: with N
-        proxies each sees 1/N of every tenant's requests, too few to tell a light tenant's share
-        from zero. One read, for the packing repair, kept for half the shortest publication period;
-        None when Redis cannot answer now."""
+    async def other_tenants(self) -> Others | None:
+        """The other proxies' published tenant counts (decayed to now), their total, and per
+        tenant (the total of the proxies that count it, their requests since it appeared there):
+        with N proxies each sees 1/N of every tenant's requests, too few to tell a light tenant's
+        share from zero. One read, for the packing repair, kept for half the shortest publication
+        period; None when Redis cannot answer now."""
         asked = time.monotonic()
         kept = self._tenants_read
         if kept is not None and asked < kept[0]:
@@ -439,6 +444,7 @@ class SharedState:
             return None
         now = time.time()
         rates: dict[int, float] = {}
+        listed: dict[int, tuple[float, float]] = {}
         total = 0.0
         stale = []
         for proxy, value in table.items():
@@ -451,16 +457,22 @@ class SharedState:
                     stale.append(proxy)
                     continue
                 decay = math.exp(-age / self.rate_tau)
-                total += float(payload["total"]) * decay
+                whole = float(payload["total"]) * decay
+                since = payload.get("since") or {}
+                total += whole
                 for pin, rate in payload["rates"].items():
                     key = int(pin, 16)
                     rates[key] = rates.get(key, 0.0) + float(rate) * decay
+                    part = float(since[pin]) * decay if pin in since else whole
+                    seen = listed.get(key)
+                    listed[key] = (whole, part) if seen is None else (seen[0] + whole, seen[1] + part)
             except (ValueError, KeyError, TypeError, AttributeError):
                 stale.append(proxy)
         if stale:
             self._tasks.spawn(self._drop(stale, TENANTS_KEY), "drop stale tenant counts")
-        self._tenants_read = (asked + _TENANTS_MIN_S / 2, (rates, total))
-        return rates, total
+        others = (rates, total, listed)
+        self._tenants_read = (asked + _TENANTS_MIN_S / 2, others)
+        return others
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, tasks: Supervisor | None = None) -> None:
@@ -787,6 +799,9 @@ class SharedState:
             if counts is not None:
                 top = heapq.nlargest(_TENANTS_TOP, counts[0].items(), key=lambda kv: kv[1])
                 payload = {"at": now, "total": counts[1], "rates": {f"{p:016x}": round(r, 3) for p, r in top}}
+                since = counts[2] if len(counts) > 2 else {}
+                if since:  # (requests since the tenant appeared here, where fewer than all)
+                    payload["since"] = {f"{p:016x}": round(since[p], 3) for p, _ in top if p in since}
                 pipe.hset(TENANTS_KEY, self.proxy_id, orjson.dumps(payload))
         if self.local_guard is not None and busy:
             windows = {f"{self.proxy_id}|{route}": orjson.dumps(_window_entry(window, now))

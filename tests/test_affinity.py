@@ -353,15 +353,50 @@ def test_packing_repair_sees_every_proxys_tenant_counts(redis_db, redis_url) -> 
         a.local_tenants = lambda now: ({7: 30.0, 8: 10.0}, 40.0)
         try:
             await a._sync()
-            rates, total = await b.other_tenants()
+            rates, total, listed = await b.other_tenants()
             assert total == pytest.approx(40.0, rel=0.01) and rates[7] == pytest.approx(30.0, rel=0.01)
-            assert await a.other_tenants() == ({}, 0.0)  # its own counts are not "others"
+            assert await a.other_tenants() == ({}, 0.0, {})  # its own counts are not "others"
             policy = PrefixAffinity(AffinityConfig())
             now = policy.clock  # the policy's time: requests
             policy.tenant_rate.add(8, now, 10.0)
             policy.tenant_rate.add(None, now, 10.0)  # this proxy saw only tenant 8
-            share = policy.tenants.fleet_share(now, (rates, total))
+            share = policy.tenants.fleet_share(now, (rates, total, listed))
             assert share(7) == pytest.approx(0.6, rel=0.02) and share(8) == pytest.approx(0.4, rel=0.02)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_tenant_back_from_idle_on_the_planner_keeps_its_share(redis_db, redis_url) -> None:
+    """A tenant that came back from idle is counted anew on the proxy that plans, while another
+    proxy still counts it over the whole window. Its share is its requests over the requests
+    since it appeared where each proxy counted it: 0.1 here, where dividing the other proxy's
+    whole count by the planner's short time made it the whole traffic."""
+    from proxy.shared import SharedState
+
+    async def scenario() -> None:
+        a = SharedState(redis_url, local_load=dict, timeout_s=0.5)
+        b = SharedState(redis_url, local_load=dict, timeout_s=0.5)
+        a.up = b.up = True
+        policy = PrefixAffinity(AffinityConfig())
+        a.local_tenants = lambda now: ({7: 30.0, 8: 270.0, 9: 3.0}, 300.0, {9: 30.0})
+        try:
+            await a._sync()
+            others = await b.other_tenants()
+            assert others is not None
+            assert others[2][7] == pytest.approx((300.0, 300.0), rel=0.01)  # counted over the whole window
+            assert others[2][9] == pytest.approx((300.0, 30.0), rel=0.01)  # over the last 30 requests there
+            tenants, now = policy.tenants, policy.clock
+            policy.tenant_rate.add(None, now, 290.0)  # the planner's requests before tenant 7 came back
+            tenants.note(7, now, False)
+            policy.tenant_rate.add(None, now, 9.0)
+            assert tenants.exposure(7, now) == pytest.approx(10 / 300, rel=0.02)
+            published = tenants.requests(now)  # (what the planner publishes for the others in turn)
+            assert published is not None and published[2][7] == pytest.approx(10.0, rel=0.02)
+            share = tenants.fleet_share(now, others)
+            assert share(7) == pytest.approx(31 / 310, rel=0.05)
         finally:
             await a.close()
             await b.close()

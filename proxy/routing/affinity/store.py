@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
-from proxy.shared import SharedState
+from proxy.shared import Others, SharedState
 
 Pins = dict[int, tuple[tuple[str, ...], float]]
 
@@ -42,7 +42,7 @@ class TenantStore(Protocol):
     async def lease(self, name: str, seconds: float) -> bool:
         """True while this process is the one that may plan (the packing repair)."""
 
-    async def other_tenants(self) -> tuple[dict[int, float], float] | None:
+    async def other_tenants(self) -> Others | None:
         """The other proxies' published tenant request counts and their total, if any."""
 
 
@@ -111,5 +111,5 @@ class SharedStore:
     async def lease(self, name: str, seconds: float) -> bool:
         return await self.shared.lease(name, seconds)
 
-    async def other_tenants(self) -> tuple[dict[int, float], float] | None:
+    async def other_tenants(self) -> Others | None:
         return await self.shared.other_tenants()

@@ -257,9 +257,9 @@ class SharedState:
         self._recents: dict[str, tuple[float, dict[str, float]]] = {}
         self._recents_heard = False  # a stream entry brought some since they were last summed
         self.local_recent: Callable[[], dict[str, float]] | None = None
-        # (tenant -> decayed requests routed here, all requests[, tenant -> those of all since it
-        # appeared here]) at a time, or None; set by the policy (`TenantStats.requests`)
-        self.local_tenants: Callable[[float], tuple | None] | None = None
+        # (tenant -> decayed requests routed here, all requests, tenant -> those of all since it
+        # appeared here) at a time, or None; set by the policy (`TenantStats.requests`)
+        self.local_tenants: Callable[[float], tuple[dict[int, float], float, dict[int, float]] | None] | None = None
         self._tenants_at = 0.0
         self.routed = 0  # requests routed here (the policy counts them), for the tenants' cadence
         self._tenants_routed = 0
@@ -799,7 +799,7 @@ class SharedState:
             if counts is not None:
                 top = heapq.nlargest(_TENANTS_TOP, counts[0].items(), key=lambda kv: kv[1])
                 payload = {"at": now, "total": counts[1], "rates": {f"{p:016x}": round(r, 3) for p, r in top}}
-                since = counts[2] if len(counts) > 2 else {}
+                since = counts[2]
                 if since:  # (requests since the tenant appeared here, where fewer than all)
                     payload["since"] = {f"{p:016x}": round(since[p], 3) for p, _ in top if p in since}
                 pipe.hset(TENANTS_KEY, self.proxy_id, orjson.dumps(payload))

@@ -350,7 +350,7 @@ def test_packing_repair_sees_every_proxys_tenant_counts(redis_db, redis_url) -> 
         a = SharedState(redis_url, local_load=dict, timeout_s=0.5)
         b = SharedState(redis_url, local_load=dict, timeout_s=0.5)
         a.up = b.up = True
-        a.local_tenants = lambda now: ({7: 30.0, 8: 10.0}, 40.0)
+        a.local_tenants = lambda now: ({7: 30.0, 8: 10.0}, 40.0, {})
         try:
             await a._sync()
             rates, total, listed = await b.other_tenants()

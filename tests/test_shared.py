@@ -423,7 +423,7 @@ def test_tenant_counts_go_out_after_a_few_dozen_requests_at_any_rate(redis_url: 
         totals = {"n": 1.0}
         a = SharedState(redis_url, local_load=dict, sync_interval_s=60.0, busy_sync_interval_s=0.01)
         b = SharedState(redis_url, local_load=dict, sync_interval_s=60.0, busy_sync_interval_s=0.01)
-        a.local_tenants = lambda wall: ({5: totals["n"]}, totals["n"])
+        a.local_tenants = lambda wall: ({5: totals["n"]}, totals["n"], {})
         b.rate_tau = 1e9  # (no decay of what b reads: a slow read must not change the total)
         for s in (a, b):
             s.start()

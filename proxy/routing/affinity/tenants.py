@@ -345,8 +345,7 @@ class TenantStats:
         proxies, `--sequence settled`), and the repair moved tenants on shares summing to 1.6-2.4."""
         if not others or others[1] <= 0:
             return lambda pin: self.current(pin, now)
-        rates, total = others[0], others[1]
-        listed = others[2] if len(others) > 2 else {}
+        rates, total, listed = others
         down = 1.0 / self.rate.factor(now)
         scaled = self.rate.scaled
         here = scaled.get(None, 0.0) * down
